@@ -1,0 +1,674 @@
+//! Configuration: the TOML file, `OUTBOX_RELAY_<SECTION>_<KEY>` overrides from
+//! the environment, and validation into a [`Config`] the rest of the relay
+//! can trust.
+//!
+//! Parsing happens in two steps, as ripgrep does with its low- and high-level
+//! arguments: serde reads raw sections that refuse unknown keys, then
+//! [`RawConfig::validate`] checks every value once, in one place, and names
+//! the key at fault.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::template::Template;
+
+/// The environment variable prefix for overrides.
+pub const ENV_PREFIX: &str = "OUTBOX_RELAY_";
+
+/// Variables under [`ENV_PREFIX`] that are not config keys (the CLI reads them).
+const ENV_RESERVED: &[&str] = &[
+    "OUTBOX_RELAY_CONFIG",
+    "OUTBOX_RELAY_LOG",
+    "OUTBOX_RELAY_LOG_FORMAT",
+];
+
+/// Sections of the file, in the order the README documents them.
+const SECTIONS: &[&str] = &["postgres", "outbox", "rabbitmq", "http"];
+
+/// Why the configuration was refused. Every variant names the key to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file named on the command line.
+        path: String,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML.
+    #[error("config file {path} is not valid TOML: {message}")]
+    Syntax {
+        /// The file.
+        path: String,
+        /// The parser's message, with line and column.
+        message: String,
+    },
+    /// A key is unknown, missing, or of the wrong type.
+    #[error("config key `{key}`: {message}")]
+    Key {
+        /// Dotted key, e.g. `rabbitmq.window`.
+        key: String,
+        /// What was expected.
+        message: String,
+    },
+    /// An environment override names no known section.
+    #[error(
+        "environment variable {0} is not a known setting (expected {ENV_PREFIX}<SECTION>_<KEY> with SECTION one of postgres, outbox, rabbitmq, http)"
+    )]
+    UnknownEnv(String),
+}
+
+fn key_err(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Key {
+        key: key.to_owned(),
+        message: message.into(),
+    }
+}
+
+/// A value that must never be printed: passwords, and URLs that carry them.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    /// The secret itself, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(****)")
+    }
+}
+
+/// Masks the password of a `scheme://user:password@host/...` URL so the URL
+/// can be logged.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    match authority.rfind('@') {
+        Some(at) => match authority[..at].find(':') {
+            Some(colon) => format!(
+                "{}://{}:****{}",
+                &url[..scheme_end],
+                &authority[..colon],
+                &rest[at..]
+            ),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+// ---------------------------------------------------------------- raw layer
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    postgres: RawPostgres,
+    #[serde(default)]
+    outbox: RawOutbox,
+    rabbitmq: RawRabbitmq,
+    #[serde(default)]
+    http: RawHttp,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPostgres {
+    url: String,
+    #[serde(default = "default_slot")]
+    slot: String,
+    #[serde(default = "default_publication")]
+    publication: String,
+    #[serde(default = "default_status_interval_ms", deserialize_with = "de_u64")]
+    status_interval_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawOutbox {
+    table: String,
+    id: String,
+    aggregate_type: String,
+    aggregate_id: String,
+    event_type: String,
+    payload: String,
+    headers: String,
+}
+
+impl Default for RawOutbox {
+    fn default() -> Self {
+        RawOutbox {
+            table: "public.outbox".into(),
+            id: "id".into(),
+            aggregate_type: "aggregate_type".into(),
+            aggregate_id: "aggregate_id".into(),
+            event_type: "event_type".into(),
+            payload: "payload".into(),
+            headers: "headers".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRabbitmq {
+    url: String,
+    exchange: String,
+    #[serde(default = "default_routing_key")]
+    routing_key: String,
+    #[serde(default = "default_window", deserialize_with = "de_u64")]
+    window: u64,
+    #[serde(default = "default_confirm_timeout_secs", deserialize_with = "de_u64")]
+    confirm_timeout_secs: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawHttp {
+    listen: String,
+}
+
+impl Default for RawHttp {
+    fn default() -> Self {
+        RawHttp {
+            listen: "127.0.0.1:9187".into(),
+        }
+    }
+}
+
+fn default_slot() -> String {
+    "outbox_relay".into()
+}
+fn default_publication() -> String {
+    "outbox_pub".into()
+}
+fn default_status_interval_ms() -> u64 {
+    1000
+}
+fn default_routing_key() -> String {
+    "{aggregate_type}.{event_type}".into()
+}
+fn default_window() -> u64 {
+    1024
+}
+fn default_confirm_timeout_secs() -> u64 {
+    30
+}
+
+/// Numbers may come from TOML integers or from environment overrides, which
+/// are always strings.
+fn de_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Num {
+        Int(u64),
+        Str(String),
+    }
+    match Num::deserialize(d)? {
+        Num::Int(n) => Ok(n),
+        Num::Str(s) => s.trim().parse().map_err(|_| {
+            serde::de::Error::custom(format!("expected a non-negative integer, got {s:?}"))
+        }),
+    }
+}
+
+// ---------------------------------------------------------- validated layer
+
+/// A table name split into schema and name, as PostgreSQL's catalogs hold it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    /// Schema, `public` when the config gave none.
+    pub schema: String,
+    /// Table.
+    pub name: String,
+}
+
+impl TableName {
+    /// The name quoted for SQL: `"schema"."name"`.
+    pub fn quoted(&self) -> String {
+        format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.name))
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.schema, self.name)
+    }
+}
+
+/// Quotes an SQL identifier.
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// `[postgres]`.
+#[derive(Debug, Clone)]
+pub struct PostgresConfig {
+    /// Connection URL (holds the password).
+    pub url: Secret,
+    /// Logical replication slot name.
+    pub slot: String,
+    /// Publication name.
+    pub publication: String,
+    /// How often the confirmed position is reported to the server.
+    pub status_interval: Duration,
+}
+
+/// `[outbox]`: which table, and which of its columns play which role.
+#[derive(Debug, Clone)]
+pub struct OutboxConfig {
+    /// The outbox table.
+    pub table: TableName,
+    /// Column names, by role.
+    pub columns: OutboxColumns,
+}
+
+/// Column names of the outbox table, by the role each plays in the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxColumns {
+    /// Stable event id: the AMQP `message_id`.
+    pub id: String,
+    /// Header `aggregate_type`, and the default routing key's first part.
+    pub aggregate_type: String,
+    /// Header `aggregate_id`; ordering is per aggregate.
+    pub aggregate_id: String,
+    /// AMQP `type`.
+    pub event_type: String,
+    /// Message body, as stored.
+    pub payload: String,
+    /// Optional JSON object of extra headers.
+    pub headers: String,
+}
+
+impl OutboxColumns {
+    /// The default column names of `sql/outbox.sql`.
+    pub fn default_names() -> Self {
+        let r = RawOutbox::default();
+        OutboxColumns {
+            id: r.id,
+            aggregate_type: r.aggregate_type,
+            aggregate_id: r.aggregate_id,
+            event_type: r.event_type,
+            payload: r.payload,
+            headers: r.headers,
+        }
+    }
+
+    /// Maps a template placeholder to a column name: the role names above
+    /// stand for whatever column plays that role; any other name is a column.
+    pub fn resolve<'a>(&'a self, placeholder: &'a str) -> &'a str {
+        match placeholder {
+            "id" => &self.id,
+            "aggregate_type" => &self.aggregate_type,
+            "aggregate_id" => &self.aggregate_id,
+            "event_type" => &self.event_type,
+            "payload" => &self.payload,
+            "headers" => &self.headers,
+            other => other,
+        }
+    }
+}
+
+/// `[rabbitmq]`.
+#[derive(Debug, Clone)]
+pub struct RabbitmqConfig {
+    /// AMQP URL (holds the password).
+    pub url: Secret,
+    /// Exchange template.
+    pub exchange: Template,
+    /// Routing key template.
+    pub routing_key: Template,
+    /// Most publishes awaiting a confirm at once.
+    pub window: usize,
+    /// A confirm that has not come after this long is a failure.
+    pub confirm_timeout: Duration,
+}
+
+/// `[http]`.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// Address of the metrics and health endpoint.
+    pub listen: SocketAddr,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `[postgres]`
+    pub postgres: PostgresConfig,
+    /// `[outbox]`
+    pub outbox: OutboxConfig,
+    /// `[rabbitmq]`
+    pub rabbitmq: RabbitmqConfig,
+    /// `[http]`
+    pub http: HttpConfig,
+}
+
+impl Config {
+    /// Reads `path`, applies environment overrides, validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text, &path.display().to_string(), std::env::vars())
+    }
+
+    /// Parses `text` (named `origin` in errors) with the overrides in `env`.
+    pub fn from_toml(
+        text: &str,
+        origin: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut table: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| ConfigError::Syntax {
+                    path: origin.to_owned(),
+                    message: e.to_string(),
+                })?;
+        apply_env(&mut table, env)?;
+        let raw: RawConfig =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let key = e.path().to_string();
+                let message = e.into_inner().to_string();
+                key_err(&key, message)
+            })?;
+        raw.validate()
+    }
+}
+
+/// Writes `OUTBOX_RELAY_<SECTION>_<KEY>=value` into the table as strings.
+fn apply_env(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), ConfigError> {
+    let overrides: BTreeMap<String, String> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !ENV_RESERVED.contains(&k.as_str()))
+        .collect();
+    for (var, value) in overrides {
+        let rest = var[ENV_PREFIX.len()..].to_ascii_lowercase();
+        let (section, key) = SECTIONS
+            .iter()
+            .find_map(|s| {
+                rest.strip_prefix(s)
+                    .and_then(|r| r.strip_prefix('_'))
+                    .filter(|k| !k.is_empty())
+                    .map(|k| (*s, k.to_owned()))
+            })
+            .ok_or_else(|| ConfigError::UnknownEnv(var.clone()))?;
+        let entry = table
+            .entry(section)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let toml::Value::Table(section_table) = entry else {
+            return Err(key_err(section, "must be a table"));
+        };
+        section_table.insert(key, toml::Value::String(value));
+    }
+    Ok(())
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigError> {
+        let p = self.postgres;
+        if !(p.url.starts_with("postgres://") || p.url.starts_with("postgresql://")) {
+            return Err(key_err(
+                "postgres.url",
+                "expected a URL of the form postgres://user:password@host:port/database",
+            ));
+        }
+        p.url
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| key_err("postgres.url", format!("not a valid PostgreSQL URL: {e}")))?;
+        check_identifier("postgres.slot", &p.slot)?;
+        if !p
+            .slot
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            return Err(key_err(
+                "postgres.slot",
+                "replication slot names may contain only lower-case letters, digits and underscores",
+            ));
+        }
+        check_identifier("postgres.publication", &p.publication)?;
+        if !(10..=60_000).contains(&p.status_interval_ms) {
+            return Err(key_err(
+                "postgres.status_interval_ms",
+                "expected milliseconds between 10 and 60000",
+            ));
+        }
+
+        let o = self.outbox;
+        let table = parse_table_name(&o.table)?;
+        let columns = OutboxColumns {
+            id: o.id,
+            aggregate_type: o.aggregate_type,
+            aggregate_id: o.aggregate_id,
+            event_type: o.event_type,
+            payload: o.payload,
+            headers: o.headers,
+        };
+        for (key, v) in [
+            ("outbox.id", &columns.id),
+            ("outbox.aggregate_type", &columns.aggregate_type),
+            ("outbox.aggregate_id", &columns.aggregate_id),
+            ("outbox.event_type", &columns.event_type),
+            ("outbox.payload", &columns.payload),
+            ("outbox.headers", &columns.headers),
+        ] {
+            check_identifier(key, v)?;
+        }
+
+        let r = self.rabbitmq;
+        if !(r.url.starts_with("amqp://") || r.url.starts_with("amqps://")) {
+            return Err(key_err(
+                "rabbitmq.url",
+                "expected a URL of the form amqp://user:password@host:port/vhost",
+            ));
+        }
+        r.url
+            .parse::<lapin::uri::AMQPUri>()
+            .map_err(|e| key_err("rabbitmq.url", format!("not a valid AMQP URL: {e}")))?;
+        let exchange = Template::parse(&r.exchange).map_err(|e| key_err("rabbitmq.exchange", e))?;
+        let routing_key =
+            Template::parse(&r.routing_key).map_err(|e| key_err("rabbitmq.routing_key", e))?;
+        if routing_key.is_empty() {
+            return Err(key_err("rabbitmq.routing_key", "must not be empty"));
+        }
+        if !(1..=65_535).contains(&r.window) {
+            return Err(key_err(
+                "rabbitmq.window",
+                "expected an integer between 1 and 65535",
+            ));
+        }
+        if !(1..=3600).contains(&r.confirm_timeout_secs) {
+            return Err(key_err(
+                "rabbitmq.confirm_timeout_secs",
+                "expected seconds between 1 and 3600",
+            ));
+        }
+
+        let listen = self
+            .http
+            .listen
+            .parse()
+            .map_err(|_| key_err("http.listen", "expected host:port, e.g. 127.0.0.1:9187"))?;
+
+        Ok(Config {
+            postgres: PostgresConfig {
+                url: Secret::new(p.url),
+                slot: p.slot,
+                publication: p.publication,
+                status_interval: Duration::from_millis(p.status_interval_ms),
+            },
+            outbox: OutboxConfig { table, columns },
+            rabbitmq: RabbitmqConfig {
+                url: Secret::new(r.url),
+                exchange,
+                routing_key,
+                window: r.window as usize,
+                confirm_timeout: Duration::from_secs(r.confirm_timeout_secs),
+            },
+            http: HttpConfig { listen },
+        })
+    }
+}
+
+fn check_identifier(key: &str, v: &str) -> Result<(), ConfigError> {
+    if v.is_empty() || v.len() > 63 || v.contains('\0') {
+        return Err(key_err(key, "expected a name of 1 to 63 characters"));
+    }
+    Ok(())
+}
+
+fn parse_table_name(s: &str) -> Result<TableName, ConfigError> {
+    let (schema, name) = match s.split_once('.') {
+        Some((schema, name)) => (schema, name),
+        None => ("public", s),
+    };
+    check_identifier("outbox.table", schema)?;
+    check_identifier("outbox.table", name)?;
+    if name.contains('.') {
+        return Err(key_err(
+            "outbox.table",
+            "expected `table` or `schema.table`",
+        ));
+    }
+    Ok(TableName {
+        schema: schema.to_owned(),
+        name: name.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[postgres]
+url = "postgres://relay:s3cret@127.0.0.1:5432/app"
+slot = "outbox_relay"
+publication = "outbox_pub"
+
+[outbox]
+table = "public.outbox"
+
+[rabbitmq]
+url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+exchange = "outbox"
+routing_key = "{aggregate_type}.{event_type}"
+
+[http]
+listen = "127.0.0.1:9187"
+"#;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_toml(
+            text,
+            "test.toml",
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    #[test]
+    fn minimal_file_gets_defaults() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.outbox.table.schema, "public");
+        assert_eq!(c.outbox.table.name, "outbox");
+        assert_eq!(c.outbox.columns.payload, "payload");
+        assert_eq!(c.rabbitmq.window, 1024);
+        assert_eq!(c.rabbitmq.confirm_timeout, Duration::from_secs(30));
+        assert_eq!(c.postgres.status_interval, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn environment_overrides_file_values() {
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY_RABBITMQ_WINDOW", "77"),
+                ("OUTBOX_RELAY_POSTGRES_SLOT", "other_slot"),
+                ("OUTBOX_RELAY_OUTBOX_AGGREGATE_TYPE", "kind"),
+                ("OUTBOX_RELAY_CONFIG", "ignored.toml"),
+                ("UNRELATED", "x"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.rabbitmq.window, 77);
+        assert_eq!(c.postgres.slot, "other_slot");
+        assert_eq!(c.outbox.columns.aggregate_type, "kind");
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let text = MINIMAL.replace("[http]", "[http]\nlisten_port = 1");
+        let err = load(&text, &[]).unwrap_err().to_string();
+        assert!(err.contains("listen_port"), "{err}");
+
+        let err = load(MINIMAL, &[("OUTBOX_RELAY_RABBITMQ_WINDOWS", "5")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("windows"), "{err}");
+
+        let err = load(MINIMAL, &[("OUTBOX_RELAY_KAFKA_URL", "x")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("OUTBOX_RELAY_KAFKA_URL"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_named_with_what_was_expected() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("OUTBOX_RELAY_RABBITMQ_WINDOW", "0", "rabbitmq.window"),
+            ("OUTBOX_RELAY_RABBITMQ_WINDOW", "lots", "rabbitmq.window"),
+            ("OUTBOX_RELAY_POSTGRES_URL", "mysql://x", "postgres.url"),
+            ("OUTBOX_RELAY_RABBITMQ_URL", "http://x", "rabbitmq.url"),
+            ("OUTBOX_RELAY_HTTP_LISTEN", "nowhere", "http.listen"),
+            ("OUTBOX_RELAY_POSTGRES_SLOT", "Bad-Slot", "postgres.slot"),
+            (
+                "OUTBOX_RELAY_RABBITMQ_ROUTING_KEY",
+                "{unclosed",
+                "rabbitmq.routing_key",
+            ),
+            ("OUTBOX_RELAY_OUTBOX_TABLE", "a.b.c", "outbox.table"),
+        ];
+        for (var, value, key) in cases {
+            let err = load(MINIMAL, &[(var, value)]).unwrap_err().to_string();
+            assert!(err.contains(key), "{var}={value}: {err}");
+        }
+        let text = MINIMAL.replace("exchange = \"outbox\"", "");
+        let err = load(&text, &[]).unwrap_err().to_string();
+        assert!(err.contains("exchange"), "{err}");
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let c = load(MINIMAL, &[]).unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert_eq!(
+            redact_url("postgres://relay:s3cret@127.0.0.1:5432/app"),
+            "postgres://relay:****@127.0.0.1:5432/app"
+        );
+        assert_eq!(redact_url("amqp://127.0.0.1/%2f"), "amqp://127.0.0.1/%2f");
+        assert_eq!(redact_url("amqp://u:p@ss@h/v?x=1"), "amqp://u:****@h/v?x=1");
+    }
+}

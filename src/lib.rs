@@ -1,0 +1,46 @@
+//! outbox-relay: a change-data-capture relay for the transactional outbox
+//! pattern, from a PostgreSQL logical replication slot to RabbitMQ.
+//!
+//! ```text
+//! PostgreSQL WAL ──pgoutput──▶ source ──▶ decode ──▶ map ──▶ sink (AMQP, confirms)
+//!         ▲                                                     │ acks
+//!         └────────── standby status (confirmed LSN) ◀── checkpoint (watermark)
+//! ```
+//!
+//! | stage | module |
+//! |---|---|
+//! | replication stream, slot and publication | [`source`] |
+//! | pgoutput wire format | [`pgoutput`] |
+//! | relation cache, outbox INSERT -> event | [`outbox`] |
+//! | event -> AMQP message | [`message`], [`template`] |
+//! | publish with confirms | [`sink`] |
+//! | confirmed-LSN watermark | [`checkpoint`] |
+//! | sessions, reconnects, shutdown | [`relay`] |
+//!
+//! # LSN invariants
+//!
+//! 1. The only position ever reported to PostgreSQL is
+//!    [`checkpoint::Checkpoint::confirmed`]: the end LSN of the newest
+//!    transaction such that it and all before it are fully confirmed by the
+//!    broker, or a keepalive's position while nothing at all is pending.
+//! 2. A session starts at the slot's `confirmed_flush_lsn` and reports that
+//!    same position until it has confirmed more, so a restart replays
+//!    everything not yet durable (at-least-once; `message_id` is stable).
+//! 3. A confirm counts only as an `Ack` without a returned message: a nack, a
+//!    `basic.return` (unroutable with `mandatory`) or a timeout is a failure.
+//! 4. Events are published on one channel in WAL order, so the first delivery
+//!    of each event follows commit order.
+
+#![forbid(unsafe_code)]
+
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod lsn;
+pub mod message;
+pub mod outbox;
+pub mod pgoutput;
+pub mod relay;
+pub mod sink;
+pub mod source;
+pub mod template;

@@ -1,0 +1,80 @@
+//! The `outbox-relay` binary: parse, load config, set up logging, run, map
+//! errors to exit codes (0 ok, 1 runtime failure, 2 bad configuration).
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use outbox_relay::cli::{self, Cli, Command, LogFormat};
+use outbox_relay::config::Config;
+use tokio_util::sync::CancellationToken;
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_RELAY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// First SIGINT/SIGTERM: graceful stop. Second: exit at once.
+fn install_signals(token: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    tokio::spawn(async move {
+        for round in 0.. {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            if round == 0 {
+                tracing::info!("signal received; draining (send again to exit at once)");
+                token.cancel();
+            } else {
+                tracing::warn!("second signal; exiting without draining");
+                std::process::exit(130);
+            }
+        }
+    });
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let cfg = match Config::load(cli.command.config_path()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("outbox-relay: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result: anyhow::Result<()> = match &cli.command {
+        Command::Run(_) => {
+            let token = CancellationToken::new();
+            match install_signals(token.clone()) {
+                Err(e) => Err(e),
+                Ok(()) => cli::run(&cfg, token)
+                    .await
+                    .map(|lsn| println!("final confirmed LSN {lsn}"))
+                    .map_err(anyhow::Error::from),
+            }
+        }
+        Command::Setup(_) => cli::setup(&cfg).await.map_err(anyhow::Error::from),
+        Command::Status { json, .. } => cli::status(&cfg, *json).await.map_err(anyhow::Error::from),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "stopped");
+            eprintln!("outbox-relay: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

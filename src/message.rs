@@ -1,0 +1,411 @@
+//! Outbox event -> AMQP message: exchange, routing key, body, properties and
+//! headers, as DESIGN.md "The message" specifies.
+
+use bytes::Bytes;
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPart};
+
+/// A message ready for `basic.publish`.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    /// Exchange.
+    pub exchange: ShortString,
+    /// Routing key.
+    pub routing_key: ShortString,
+    /// Body: the payload bytes as stored.
+    pub body: Bytes,
+    /// Properties and headers.
+    pub properties: BasicProperties,
+    /// The event id (also `message_id`), for logs.
+    pub id: String,
+}
+
+/// The row cannot become a message. The event is undeliverable as it stands.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// The outbox table does not fit the configuration.
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
+    /// A mapped column is NULL (or, for a TOASTed value, absent).
+    #[error("event {id}: column {column:?} is NULL")]
+    Null {
+        /// Event id, or `?` when the id itself is NULL.
+        id: String,
+        /// The column.
+        column: String,
+    },
+    /// A value is not valid UTF-8 where text is needed.
+    #[error("event {id}: column {column:?} is not valid UTF-8")]
+    NotUtf8 {
+        /// Event id.
+        id: String,
+        /// The column.
+        column: String,
+    },
+    /// An AMQP short string (exchange, routing key, id, type) over 255 bytes.
+    #[error("event {id}: {what} is {len} bytes; AMQP allows at most 255")]
+    TooLong {
+        /// Event id.
+        id: String,
+        /// Which field.
+        what: &'static str,
+        /// Its length.
+        len: usize,
+    },
+    /// The headers column is not a JSON object.
+    #[error("event {id}: headers column is not a JSON object")]
+    Headers {
+        /// Event id.
+        id: String,
+    },
+    /// A bytea payload's text form is not `\x<hex>`.
+    #[error("event {id}: bytea payload is not in hex format")]
+    Bytea {
+        /// Event id.
+        id: String,
+    },
+}
+
+fn text<'a>(
+    ev: &'a OutboxEvent,
+    index: usize,
+    column: &str,
+    id: &str,
+) -> Result<&'a str, RenderError> {
+    let v = ev.value(index).ok_or_else(|| RenderError::Null {
+        id: id.to_owned(),
+        column: column.to_owned(),
+    })?;
+    std::str::from_utf8(v).map_err(|_| RenderError::NotUtf8 {
+        id: id.to_owned(),
+        column: column.to_owned(),
+    })
+}
+
+fn short(s: &str, what: &'static str, id: &str) -> Result<ShortString, RenderError> {
+    if s.len() > 255 {
+        return Err(RenderError::TooLong {
+            id: id.to_owned(),
+            what,
+            len: s.len(),
+        });
+    }
+    Ok(ShortString::from(s))
+}
+
+fn render_template(
+    ev: &OutboxEvent,
+    parts: &[ResolvedPart],
+    what: &'static str,
+    id: &str,
+) -> Result<ShortString, RenderError> {
+    if let [ResolvedPart::Literal(s)] = parts {
+        return short(s, what, id);
+    }
+    let mut out = String::new();
+    for p in parts {
+        match p {
+            ResolvedPart::Literal(s) => out.push_str(s),
+            ResolvedPart::Column { index, name } => out.push_str(text(ev, *index, name, id)?),
+        }
+    }
+    short(&out, what, id)
+}
+
+/// Builds the message for `ev`.
+pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
+    let m: &Mapping = ev
+        .mapping
+        .as_ref()
+        .map_err(|e| RenderError::Mapping(e.clone()))?;
+    let id = text(ev, m.id, "id", "?")?.to_owned();
+    let aggregate_type = text(ev, m.aggregate_type, "aggregate_type", &id)?;
+    let aggregate_id = text(ev, m.aggregate_id, "aggregate_id", &id)?;
+    let event_type = text(ev, m.event_type, "event_type", &id)?;
+    let raw_payload = ev.value(m.payload).ok_or_else(|| RenderError::Null {
+        id: id.clone(),
+        column: "payload".into(),
+    })?;
+    let (body, content_type) = match m.payload_kind {
+        PayloadKind::Json => (raw_payload.clone(), "application/json"),
+        PayloadKind::Text => (raw_payload.clone(), "text/plain; charset=utf-8"),
+        PayloadKind::Bytea => (
+            decode_bytea_hex(raw_payload).ok_or_else(|| RenderError::Bytea { id: id.clone() })?,
+            "application/octet-stream",
+        ),
+    };
+
+    let mut headers = FieldTable::default();
+    if let Some(h) = m.headers.and_then(|i| ev.value(i)) {
+        let obj: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.clone() })?;
+        for (k, v) in obj {
+            if k.len() > 255 {
+                return Err(RenderError::TooLong {
+                    id,
+                    what: "header name",
+                    len: k.len(),
+                });
+            }
+            headers.insert(ShortString::from(k), json_to_amqp(v));
+        }
+    }
+    headers.insert(
+        "aggregate_type".into(),
+        AMQPValue::LongString(LongString::from(aggregate_type)),
+    );
+    headers.insert(
+        "aggregate_id".into(),
+        AMQPValue::LongString(LongString::from(aggregate_id)),
+    );
+
+    let properties = BasicProperties::default()
+        .with_message_id(short(&id, "id", &id)?)
+        .with_type(short(event_type, "event type", &id)?)
+        .with_content_type(ShortString::from(content_type))
+        .with_delivery_mode(2)
+        .with_timestamp(u64::try_from(ev.commit_time_us / 1_000_000).unwrap_or(0))
+        .with_headers(headers);
+
+    Ok(Envelope {
+        exchange: render_template(ev, &m.exchange, "exchange", &id)?,
+        routing_key: render_template(ev, &m.routing_key, "routing key", &id)?,
+        body,
+        properties,
+        id,
+    })
+}
+
+fn json_to_amqp(v: serde_json::Value) -> AMQPValue {
+    use serde_json::Value;
+    match v {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AMQPValue::LongLongInt(i),
+            None => AMQPValue::Double(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => AMQPValue::LongString(LongString::from(s)),
+        // Nested structures travel as their JSON text: AMQP tables cannot
+        // hold every JSON shape faithfully (e.g. arrays of mixed types).
+        other => AMQPValue::LongString(LongString::from(other.to_string())),
+    }
+}
+
+/// pgoutput's text form of bytea is `\x` followed by hex digits.
+fn decode_bytea_hex(v: &[u8]) -> Option<Bytes> {
+    let hex = v.strip_prefix(b"\\x")?;
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    hex.chunks_exact(2)
+        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
+        .collect::<Option<Vec<u8>>>()
+        .map(Bytes::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{OutboxColumns, RabbitmqConfig, Secret};
+    use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
+    use crate::template::Template;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn rabbit(exchange: &str, rk: &str) -> RabbitmqConfig {
+        RabbitmqConfig {
+            url: Secret::new("amqp://x"),
+            exchange: Template::parse(exchange).unwrap(),
+            routing_key: Template::parse(rk).unwrap(),
+            window: 10,
+            confirm_timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn relation(payload_oid: u32, with_headers: bool) -> Relation {
+        let mut cols = vec![
+            ("id", 2950),
+            ("aggregate_type", 25),
+            ("aggregate_id", 25),
+            ("event_type", 25),
+            ("payload", payload_oid),
+        ];
+        if with_headers {
+            cols.push(("headers", 3802));
+        }
+        Relation {
+            id: 1,
+            namespace: "public".into(),
+            name: "outbox".into(),
+            replica_identity: b'd',
+            columns: cols
+                .into_iter()
+                .map(|(n, t)| Column {
+                    flags: 0,
+                    name: n.into(),
+                    type_oid: t,
+                    type_modifier: -1,
+                })
+                .collect(),
+        }
+    }
+
+    fn event(rel: &Relation, rk: &str, values: &[Option<&str>]) -> OutboxEvent {
+        let m = Mapping::new(rel, &OutboxColumns::default_names(), &rabbit("outbox", rk));
+        OutboxEvent {
+            tuple: TupleData(
+                values
+                    .iter()
+                    .map(|v| match v {
+                        Some(s) => ColumnValue::Text(Bytes::copy_from_slice(s.as_bytes())),
+                        None => ColumnValue::Null,
+                    })
+                    .collect(),
+            ),
+            mapping: m.map(Arc::new),
+            commit_time_us: 1_700_000_000_123_456,
+        }
+    }
+
+    #[test]
+    fn maps_a_default_outbox_row() {
+        let rel = relation(3802, true);
+        let ev = event(
+            &rel,
+            "{aggregate_type}.{event_type}",
+            &[
+                Some("7d0c2f43-53c3-4a3e-9e36-0c4cbd5e9b11"),
+                Some("order"),
+                Some("42"),
+                Some("created"),
+                Some(r#"{"total": 10}"#),
+                Some(r#"{"tenant": "acme", "n": 3, "ok": true, "nested": {"a": 1}}"#),
+            ],
+        );
+        let e = render(&ev).unwrap();
+        assert_eq!(e.exchange.as_str(), "outbox");
+        assert_eq!(e.routing_key.as_str(), "order.created");
+        assert_eq!(&e.body[..], br#"{"total": 10}"#);
+        let p = &e.properties;
+        assert_eq!(
+            p.message_id().as_ref().unwrap().as_str(),
+            "7d0c2f43-53c3-4a3e-9e36-0c4cbd5e9b11"
+        );
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "created");
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(*p.timestamp(), Some(1_700_000_000));
+        let h = p.headers().as_ref().unwrap().inner();
+        assert_eq!(
+            h.get("aggregate_id"),
+            Some(&AMQPValue::LongString("42".into()))
+        );
+        assert_eq!(
+            h.get("aggregate_type"),
+            Some(&AMQPValue::LongString("order".into()))
+        );
+        assert_eq!(h.get("tenant"), Some(&AMQPValue::LongString("acme".into())));
+        assert_eq!(h.get("n"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(h.get("ok"), Some(&AMQPValue::Boolean(true)));
+        assert_eq!(
+            h.get("nested"),
+            Some(&AMQPValue::LongString(r#"{"a":1}"#.into()))
+        );
+    }
+
+    #[test]
+    fn bytea_payload_is_raw_bytes_and_headers_are_optional() {
+        let rel = relation(17, false);
+        let ev = event(
+            &rel,
+            "fixed.{aggregate_id}",
+            &[
+                Some("1"),
+                Some("t"),
+                Some("a1"),
+                Some("e"),
+                Some("\\x00ff10"),
+            ],
+        );
+        let e = render(&ev).unwrap();
+        assert_eq!(&e.body[..], &[0x00, 0xff, 0x10]);
+        assert_eq!(e.routing_key.as_str(), "fixed.a1");
+        assert_eq!(
+            e.properties.content_type().as_ref().unwrap().as_str(),
+            "application/octet-stream"
+        );
+    }
+
+    #[test]
+    fn undeliverable_rows_say_why() {
+        let rel = relation(3802, true);
+        let null_type = event(
+            &rel,
+            "{aggregate_type}",
+            &[Some("id1"), None, Some("a"), Some("e"), Some("{}"), None],
+        );
+        assert!(matches!(render(&null_type), Err(RenderError::Null { ref id, .. }) if id == "id1"));
+        let bad_headers = event(
+            &rel,
+            "{aggregate_type}",
+            &[
+                Some("id2"),
+                Some("t"),
+                Some("a"),
+                Some("e"),
+                Some("{}"),
+                Some("[1]"),
+            ],
+        );
+        assert!(matches!(
+            render(&bad_headers),
+            Err(RenderError::Headers { .. })
+        ));
+        let long = "x".repeat(300);
+        let too_long = event(
+            &rel,
+            "{aggregate_type}",
+            &[
+                Some("id3"),
+                Some(&long),
+                Some("a"),
+                Some("e"),
+                Some("{}"),
+                None,
+            ],
+        );
+        assert!(matches!(
+            render(&too_long),
+            Err(RenderError::TooLong { .. })
+        ));
+        let unsupported = Mapping::new(
+            &relation(23, false),
+            &OutboxColumns::default_names(),
+            &rabbit("x", "y"),
+        );
+        assert!(matches!(unsupported, Err(MappingError::PayloadType { .. })));
+        let missing = Mapping::new(
+            &relation(3802, false),
+            &OutboxColumns::default_names(),
+            &rabbit("x", "{no_such}"),
+        );
+        assert!(
+            matches!(missing, Err(MappingError::MissingColumn { ref key, .. }) if key == "rabbitmq.routing_key")
+        );
+    }
+
+    #[test]
+    fn bytea_hex_decoding() {
+        assert_eq!(decode_bytea_hex(b"\\x").unwrap().len(), 0);
+        assert!(decode_bytea_hex(b"\\x0").is_none());
+        assert!(decode_bytea_hex(b"\\xzz").is_none());
+        assert!(decode_bytea_hex(b"00").is_none());
+    }
+}

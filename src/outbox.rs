@@ -1,0 +1,296 @@
+//! From decoded pgoutput messages to outbox events.
+//!
+//! Keeps the relation cache: pgoutput sends a Relation message before the
+//! first change of a table in a session, and again whenever its definition
+//! changes (e.g. after `ALTER TABLE outbox ADD COLUMN`). Columns are looked up
+//! by name in the newest Relation, so added, dropped or reordered columns are
+//! followed without a restart. Only INSERTs into the configured outbox table
+//! become events; every other change is ignored.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::config::{OutboxColumns, OutboxConfig, RabbitmqConfig, TableName};
+use crate::pgoutput::{Column, ColumnValue, LogicalMessage, Relation, TupleData};
+use crate::template::{Part, Template};
+
+/// PostgreSQL type OIDs the payload column may have.
+mod oid {
+    pub const BYTEA: u32 = 17;
+    pub const TEXT: u32 = 25;
+    pub const JSON: u32 = 114;
+    pub const BPCHAR: u32 = 1042;
+    pub const VARCHAR: u32 = 1043;
+    pub const JSONB: u32 = 3802;
+}
+
+/// How the payload column's text form becomes the message body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadKind {
+    /// json/jsonb: the JSON text, `content_type = application/json`.
+    Json,
+    /// text/varchar: the UTF-8 text, `content_type = text/plain`.
+    Text,
+    /// bytea: pgoutput sends `\x<hex>`; the body is the decoded bytes.
+    Bytea,
+}
+
+impl PayloadKind {
+    /// The payload kind of a column type, if supported.
+    pub fn of_type(type_oid: u32) -> Option<PayloadKind> {
+        match type_oid {
+            oid::JSON | oid::JSONB => Some(PayloadKind::Json),
+            oid::TEXT | oid::VARCHAR | oid::BPCHAR => Some(PayloadKind::Text),
+            oid::BYTEA => Some(PayloadKind::Bytea),
+            _ => None,
+        }
+    }
+}
+
+/// One template part, resolved against the current relation.
+#[derive(Debug, Clone)]
+pub enum ResolvedPart {
+    /// Copied as is.
+    Literal(String),
+    /// Value of the column at this index.
+    Column {
+        /// Index in the tuple.
+        index: usize,
+        /// Column name, for error messages.
+        name: String,
+    },
+}
+
+/// Where each role's column sits in the outbox relation's tuples, as of the
+/// newest Relation message.
+#[derive(Debug)]
+pub struct Mapping {
+    /// Index of the id column.
+    pub id: usize,
+    /// Index of the aggregate type column.
+    pub aggregate_type: usize,
+    /// Index of the aggregate id column.
+    pub aggregate_id: usize,
+    /// Index of the event type column.
+    pub event_type: usize,
+    /// Index of the payload column.
+    pub payload: usize,
+    /// How to turn the payload into a body.
+    pub payload_kind: PayloadKind,
+    /// Index of the headers column, when the table has one.
+    pub headers: Option<usize>,
+    /// The exchange template, resolved.
+    pub exchange: Vec<ResolvedPart>,
+    /// The routing key template, resolved.
+    pub routing_key: Vec<ResolvedPart>,
+}
+
+/// The outbox table's definition does not fit the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    /// A configured column is not in the table.
+    #[error(
+        "outbox table {table} has no column {column:?} (configured as {key}); add the column or change {key}"
+    )]
+    MissingColumn {
+        /// The table.
+        table: String,
+        /// The missing column.
+        column: String,
+        /// Config key that names it.
+        key: String,
+    },
+    /// The payload column's type is not json, jsonb, text, varchar or bytea.
+    #[error(
+        "outbox table {table}: payload column {column:?} has unsupported type oid {type_oid}; use jsonb, json, text, varchar or bytea"
+    )]
+    PayloadType {
+        /// The table.
+        table: String,
+        /// The payload column.
+        column: String,
+        /// Its type.
+        type_oid: u32,
+    },
+}
+
+impl Mapping {
+    /// Finds the configured columns in `rel`.
+    pub fn new(
+        rel: &Relation,
+        cols: &OutboxColumns,
+        rabbitmq: &RabbitmqConfig,
+    ) -> Result<Mapping, MappingError> {
+        let table = format!("{}.{}", rel.namespace, rel.name);
+        let find = |column: &str, key: &str| -> Result<usize, MappingError> {
+            find_column(&rel.columns, column).ok_or_else(|| MappingError::MissingColumn {
+                table: table.clone(),
+                column: column.to_owned(),
+                key: key.to_owned(),
+            })
+        };
+        let payload = find(&cols.payload, "outbox.payload")?;
+        let payload_type = rel.columns[payload].type_oid;
+        let payload_kind =
+            PayloadKind::of_type(payload_type).ok_or_else(|| MappingError::PayloadType {
+                table: table.clone(),
+                column: cols.payload.clone(),
+                type_oid: payload_type,
+            })?;
+        let resolve = |t: &Template, key: &str| -> Result<Vec<ResolvedPart>, MappingError> {
+            t.parts()
+                .iter()
+                .map(|p| match p {
+                    Part::Literal(s) => Ok(ResolvedPart::Literal(s.clone())),
+                    Part::Column(c) => {
+                        let name = cols.resolve(c);
+                        Ok(ResolvedPart::Column {
+                            index: find(name, key)?,
+                            name: name.to_owned(),
+                        })
+                    }
+                })
+                .collect()
+        };
+        Ok(Mapping {
+            id: find(&cols.id, "outbox.id")?,
+            aggregate_type: find(&cols.aggregate_type, "outbox.aggregate_type")?,
+            aggregate_id: find(&cols.aggregate_id, "outbox.aggregate_id")?,
+            event_type: find(&cols.event_type, "outbox.event_type")?,
+            payload,
+            payload_kind,
+            headers: find_column(&rel.columns, &cols.headers),
+            exchange: resolve(&rabbitmq.exchange, "rabbitmq.exchange")?,
+            routing_key: resolve(&rabbitmq.routing_key, "rabbitmq.routing_key")?,
+        })
+    }
+}
+
+fn find_column(columns: &[Column], name: &str) -> Option<usize> {
+    columns.iter().position(|c| c.name == name)
+}
+
+/// One committed INSERT into the outbox table, not yet mapped to a message.
+#[derive(Debug, Clone)]
+pub struct OutboxEvent {
+    /// The row, as pgoutput sent it (zero-copy slices of the WAL message).
+    pub tuple: TupleData,
+    /// The column mapping in force when the row was decoded, or why there is
+    /// none (the row is then undeliverable).
+    pub mapping: Result<Arc<Mapping>, MappingError>,
+    /// Commit time of its transaction, microseconds since the Unix epoch.
+    pub commit_time_us: i64,
+}
+
+impl OutboxEvent {
+    /// The value of column `index`, if present and not NULL.
+    pub fn value(&self, index: usize) -> Option<&Bytes> {
+        self.tuple.0.get(index).and_then(ColumnValue::as_bytes)
+    }
+}
+
+/// What a WAL message meant for the outbox.
+#[derive(Debug)]
+pub enum Decoded {
+    /// An INSERT into the outbox table.
+    Event(OutboxEvent),
+    /// Anything else: schema messages, other tables, other kinds of change.
+    Nothing,
+}
+
+/// Errors that stop the stream: the WAL itself cannot be understood.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// pgoutput bytes did not decode.
+    #[error("cannot decode pgoutput message: {0}")]
+    Decode(#[from] crate::pgoutput::DecodeError),
+    /// A change for a relation never described by a Relation message.
+    #[error("change for relation {0} arrived before its Relation message")]
+    UnknownRelation(u32),
+    /// A change outside BEGIN/COMMIT.
+    #[error("pgoutput change outside a transaction")]
+    OutsideTransaction,
+}
+
+/// The relation cache and the transaction state of one replication session.
+#[derive(Debug)]
+pub struct OutboxDecoder {
+    table: TableName,
+    columns: OutboxColumns,
+    rabbitmq: RabbitmqConfig,
+    /// Relation id -> mapping when it is the outbox table, `None` otherwise.
+    relations: HashMap<u32, Option<Result<Arc<Mapping>, MappingError>>>,
+    /// Commit time of the open transaction (µs since the Unix epoch).
+    open_tx: Option<i64>,
+}
+
+/// Microseconds from the Unix epoch to PostgreSQL's epoch, 2000-01-01.
+pub const PG_EPOCH_OFFSET_US: i64 = 946_684_800_000_000;
+
+impl OutboxDecoder {
+    /// A decoder for a new session: the relation cache starts empty, as the
+    /// server re-sends Relation messages on every new stream.
+    pub fn new(outbox: &OutboxConfig, rabbitmq: &RabbitmqConfig) -> Self {
+        OutboxDecoder {
+            table: outbox.table.clone(),
+            columns: outbox.columns.clone(),
+            rabbitmq: rabbitmq.clone(),
+            relations: HashMap::new(),
+            open_tx: None,
+        }
+    }
+
+    /// BEGIN, with the commit time in PostgreSQL's epoch as pgoutput sends it.
+    pub fn begin(&mut self, commit_time_pg_us: i64) {
+        self.open_tx = Some(commit_time_pg_us.saturating_add(PG_EPOCH_OFFSET_US));
+    }
+
+    /// COMMIT.
+    pub fn commit(&mut self) {
+        self.open_tx = None;
+    }
+
+    /// Decodes one XLogData payload (not BEGIN/COMMIT, which the replication
+    /// client hands over already parsed).
+    pub fn decode(&mut self, data: Bytes) -> Result<Decoded, StreamError> {
+        match crate::pgoutput::decode(data)? {
+            LogicalMessage::Relation(rel) => {
+                let entry = (rel.namespace == self.table.schema && rel.name == self.table.name)
+                    .then(|| Mapping::new(&rel, &self.columns, &self.rabbitmq).map(Arc::new));
+                if let Some(Err(e)) = &entry {
+                    tracing::error!(error = %e, "outbox relation does not match the configuration");
+                }
+                self.relations.insert(rel.id, entry);
+                Ok(Decoded::Nothing)
+            }
+            LogicalMessage::Insert(ins) => {
+                let commit_time_us = self.open_tx.ok_or(StreamError::OutsideTransaction)?;
+                match self.relations.get(&ins.relation_id) {
+                    None => Err(StreamError::UnknownRelation(ins.relation_id)),
+                    Some(None) => Ok(Decoded::Nothing),
+                    Some(Some(mapping)) => Ok(Decoded::Event(OutboxEvent {
+                        tuple: ins.tuple,
+                        mapping: mapping.clone(),
+                        commit_time_us,
+                    })),
+                }
+            }
+            LogicalMessage::Begin(b) => {
+                self.begin(b.commit_time);
+                Ok(Decoded::Nothing)
+            }
+            LogicalMessage::Commit(_) => {
+                self.commit();
+                Ok(Decoded::Nothing)
+            }
+            LogicalMessage::Origin(_)
+            | LogicalMessage::Type(_)
+            | LogicalMessage::Update(_)
+            | LogicalMessage::Delete(_)
+            | LogicalMessage::Truncate(_)
+            | LogicalMessage::Message(_) => Ok(Decoded::Nothing),
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! The AMQP side: one connection, one channel in confirm mode, publishes with
+//! `mandatory` and persistent delivery.
+//!
+//! Why one channel: AMQP orders messages per channel, and confirms on a
+//! channel are issued in publish order, so per-aggregate order is kept by
+//! construction. Why `mandatory`: without it the broker silently drops a
+//! message no queue is bound for, and still confirms it. With it, the message
+//! comes back (`basic.return`) before the confirm; lapin hands it over inside
+//! the `Ack`, and we treat that as a failure, never as delivered.
+
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Confirmation, PublisherConfirm};
+
+use crate::config::{RabbitmqConfig, redact_url};
+use crate::message::Envelope;
+
+/// What went wrong on the broker side.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// A lapin call failed (connection lost, channel closed, refused...).
+    #[error("{what} ({url}): {source}")]
+    Amqp {
+        /// The call that failed.
+        what: &'static str,
+        /// The broker URL, password masked.
+        url: String,
+        /// lapin's error.
+        source: lapin::Error,
+    },
+    /// The exchange named in the config does not exist.
+    #[error("exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange")]
+    NoExchange(String),
+    /// A call took longer than its deadline.
+    #[error("{0} timed out")]
+    Timeout(&'static str),
+    /// The broker refused responsibility for a message.
+    #[error("broker nacked event {id}")]
+    Nacked {
+        /// Event id.
+        id: String,
+    },
+    /// The message was unroutable: no queue is bound for its routing key.
+    #[error(
+        "event {id} is unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({reply})"
+    )]
+    Returned {
+        /// Event id.
+        id: String,
+        /// Where it went.
+        exchange: String,
+        /// With which key.
+        routing_key: String,
+        /// The broker's reply text.
+        reply: String,
+    },
+    /// No confirm within `rabbitmq.confirm_timeout_secs`.
+    #[error("no confirm for event {id} within {secs} s (rabbitmq.confirm_timeout_secs)")]
+    ConfirmTimeout {
+        /// Event id.
+        id: String,
+        /// The timeout.
+        secs: u64,
+    },
+}
+
+impl SinkError {
+    /// True when retrying later may succeed (connection trouble, a broker
+    /// restart, a nack); false when the operator must change something.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SinkError::Amqp { source, .. } => match source.kind() {
+                lapin::ErrorKind::ProtocolError(e) => {
+                    !matches!(
+                        e.kind(),
+                        AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+                            | AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                            | AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+                    ) && e.get_id() != 403
+                }
+                _ => source.can_be_recovered(),
+            },
+            SinkError::NoExchange(_) | SinkError::Returned { .. } => false,
+            SinkError::Timeout(_) | SinkError::Nacked { .. } | SinkError::ConfirmTimeout { .. } => {
+                true
+            }
+        }
+    }
+}
+
+/// Deadline for connecting and for each control call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(15);
+
+async fn deadline<T>(
+    what: &'static str,
+    url: &str,
+    fut: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, SinkError> {
+    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(SinkError::Amqp {
+            what,
+            url: redact_url(url),
+            source,
+        }),
+        Err(_) => Err(SinkError::Timeout(what)),
+    }
+}
+
+/// A connected publisher.
+pub struct AmqpSink {
+    conn: Connection,
+    channel: Channel,
+    url: String,
+}
+
+impl AmqpSink {
+    /// Connects, opens the publishing channel in confirm mode, and checks
+    /// that a fixed exchange exists.
+    pub async fn connect(cfg: &RabbitmqConfig) -> Result<AmqpSink, SinkError> {
+        let url = cfg.url.expose();
+        let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
+        let conn = deadline(
+            "connecting to RabbitMQ",
+            url,
+            Connection::connect(url, props),
+        )
+        .await?;
+        let channel = deadline("opening a channel", url, conn.create_channel()).await?;
+        deadline(
+            "enabling publisher confirms",
+            url,
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        let sink = AmqpSink {
+            conn,
+            channel,
+            url: redact_url(url),
+        };
+        if let Some(exchange) = cfg.exchange.as_literal() {
+            sink.check_exchange(exchange).await?;
+        }
+        Ok(sink)
+    }
+
+    /// Passive declare on a throwaway channel: the broker closes a channel on
+    /// which a passive declare fails.
+    pub async fn check_exchange(&self, exchange: &str) -> Result<(), SinkError> {
+        if exchange.is_empty() {
+            return Ok(()); // the default exchange always exists
+        }
+        let ch = deadline("opening a channel", &self.url, self.conn.create_channel()).await?;
+        let res = deadline(
+            "checking the exchange",
+            &self.url,
+            ch.exchange_declare(
+                exchange.into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            ),
+        )
+        .await;
+        match res {
+            Ok(()) => {
+                let _ = ch.close(200, "ok".into()).await;
+                Ok(())
+            }
+            Err(SinkError::Amqp { source, .. })
+                if matches!(source.kind(), lapin::ErrorKind::ProtocolError(e)
+                    if matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))) =>
+            {
+                Err(SinkError::NoExchange(exchange.to_owned()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Hands one message to the broker. Returns once lapin has queued the
+    /// frames; the returned future resolves on the broker's confirm.
+    pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
+        self.channel
+            .basic_publish(
+                env.exchange.clone(),
+                env.routing_key.clone(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &env.body,
+                env.properties.clone(),
+            )
+            .await
+            .map_err(|source| SinkError::Amqp {
+                what: "publishing",
+                url: self.url.clone(),
+                source,
+            })
+    }
+
+    /// True while the broker has blocked publishing (resource alarm).
+    pub fn is_blocked(&self) -> bool {
+        self.conn.status().blocked()
+    }
+
+    /// Closes channel and connection politely.
+    pub async fn close(self) {
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            let _ = self.channel.close(200, "shutdown".into()).await;
+            let _ = self.conn.close(200, "shutdown".into()).await;
+        })
+        .await;
+    }
+}
+
+/// The outcome of one publish, once the broker answered.
+pub fn check_confirmation(
+    env_id: &str,
+    exchange: &str,
+    routing_key: &str,
+    c: Confirmation,
+) -> Result<(), SinkError> {
+    match c {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => Err(SinkError::Returned {
+            id: env_id.to_owned(),
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            reply: ret.reply_text.to_string(),
+        }),
+        Confirmation::Nack(None) => Err(SinkError::Nacked {
+            id: env_id.to_owned(),
+        }),
+        // confirm_select is always on; treat the impossible as a failure
+        // rather than as delivered.
+        Confirmation::NotRequested => Err(SinkError::Nacked {
+            id: env_id.to_owned(),
+        }),
+    }
+}

@@ -1,0 +1,180 @@
+//! The PostgreSQL side: a plain SQL connection for setup and status, and the
+//! replication stream.
+
+pub mod slot;
+
+use std::time::Duration;
+
+use pgwire_replication::{ReplicationClient, ReplicationConfig, TlsConfig};
+use tokio_postgres::config::Host;
+
+use crate::config::{PostgresConfig, redact_url};
+use crate::lsn::Lsn;
+
+/// What went wrong on the PostgreSQL side.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// A SQL call failed.
+    #[error("{what} ({url}): {source}")]
+    Sql {
+        /// The call that failed.
+        what: String,
+        /// The URL, password masked.
+        url: String,
+        /// tokio-postgres's error.
+        source: tokio_postgres::Error,
+    },
+    /// The replication connection failed.
+    #[error("replication stream ({url}): {source}")]
+    Replication {
+        /// The URL, password masked.
+        url: String,
+        /// pgwire-replication's error.
+        source: pgwire_replication::PgWireError,
+    },
+    /// The server ended the stream.
+    #[error("replication stream ended by the server")]
+    Ended,
+    /// Something the operator must fix (missing slot, wrong settings...).
+    #[error("{0}")]
+    Setup(String),
+    /// The slot is in use by another process.
+    #[error("replication slot {slot:?} is active for PID {pid} (another relay?)")]
+    SlotBusy {
+        /// The slot.
+        slot: String,
+        /// The process holding it.
+        pid: i32,
+    },
+    /// The WAL stream could not be understood.
+    #[error(transparent)]
+    Stream(#[from] crate::outbox::StreamError),
+}
+
+impl SourceError {
+    /// True when retrying later may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SourceError::Sql { source, .. } => match source.code() {
+                // Class 28: invalid authorization; 3D: no such database;
+                // 42: syntax or access rule violation. The operator must act.
+                Some(code) => !["28", "3D", "42"]
+                    .iter()
+                    .any(|c| code.code().starts_with(c)),
+                None => true,
+            },
+            SourceError::Replication { source, .. } => {
+                use pgwire_replication::PgWireError as E;
+                match source {
+                    E::Auth(_) | E::Tls(_) => false,
+                    E::Server(msg) => {
+                        !(msg.contains("does not exist")
+                            || msg.contains("permission denied")
+                            || msg.contains("must be superuser or replication role"))
+                    }
+                    _ => true,
+                }
+            }
+            SourceError::Ended | SourceError::SlotBusy { .. } => true,
+            SourceError::Setup(_) | SourceError::Stream(_) => false,
+        }
+    }
+}
+
+/// Opens a SQL connection; its driver task runs until the client is dropped.
+pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
+    let url = cfg.url.expose();
+    let fut = tokio_postgres::connect(url, tokio_postgres::NoTls);
+    let (client, conn) = match tokio::time::timeout(Duration::from_secs(15), fut).await {
+        Ok(r) => r.map_err(|source| SourceError::Sql {
+            what: "connecting to PostgreSQL".into(),
+            url: redact_url(url),
+            source,
+        })?,
+        Err(_) => {
+            return Err(SourceError::Setup(format!(
+                "connecting to PostgreSQL ({}) timed out",
+                redact_url(url)
+            )));
+        }
+    };
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "SQL connection closed");
+        }
+    });
+    Ok(client)
+}
+
+/// Wraps a SQL error with what was being done.
+pub fn sql_err(
+    cfg: &PostgresConfig,
+    what: impl Into<String>,
+) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
+    let url = redact_url(cfg.url.expose());
+    let what = what.into();
+    move |source| SourceError::Sql { what, url, source }
+}
+
+/// Starts streaming from the slot at its confirmed position, reporting
+/// `confirmed` as flushed until the relay reports more.
+pub async fn start_replication(
+    cfg: &PostgresConfig,
+    confirmed: Lsn,
+    buffer_events: usize,
+) -> Result<ReplicationClient, SourceError> {
+    let url = cfg.url.expose();
+    let pg: tokio_postgres::Config = url.parse().map_err(|e| {
+        SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
+    })?;
+    let user = pg.get_user().unwrap_or("postgres").to_owned();
+    let password = pg
+        .get_password()
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .unwrap_or_default();
+    let database = pg.get_dbname().unwrap_or(&user).to_owned();
+    let port = pg.get_ports().first().copied().unwrap_or(5432);
+    let base = match pg.get_hosts().first() {
+        Some(Host::Unix(dir)) => ReplicationConfig::unix(
+            dir.display().to_string(),
+            port,
+            user,
+            password,
+            database,
+            cfg.slot.clone(),
+            cfg.publication.clone(),
+        ),
+        Some(Host::Tcp(host)) => ReplicationConfig::new(
+            host.clone(),
+            user,
+            password,
+            database,
+            cfg.slot.clone(),
+            cfg.publication.clone(),
+        )
+        .with_port(port),
+        None => ReplicationConfig::new(
+            "localhost",
+            user,
+            password,
+            database,
+            cfg.slot.clone(),
+            cfg.publication.clone(),
+        )
+        .with_port(port),
+    };
+    let rc = base
+        .with_tls(TlsConfig::disabled())
+        .with_start_lsn(pgwire_replication::Lsn::from_u64(0))
+        .with_ack_lsn(confirmed.into())
+        .with_status_interval(cfg.status_interval)
+        .with_wakeup_interval(Duration::from_secs(10))
+        .with_buffer_size(buffer_events)
+        .with_application_name("outbox-relay");
+    ReplicationClient::connect(rc)
+        .await
+        .map_err(|source| SourceError::Replication {
+            url: redact_url(url),
+            source,
+        })
+}

@@ -1,0 +1,190 @@
+//! Slot and publication management over the SQL connection.
+
+use tokio_postgres::Client;
+
+use super::{SourceError, sql_err};
+use crate::config::{Config, quote_ident};
+use crate::lsn::Lsn;
+
+/// A row of `pg_replication_slots`, as far as the relay cares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    /// Output plugin; must be `pgoutput`.
+    pub plugin: Option<String>,
+    /// Position confirmed by the consumer.
+    pub confirmed_flush_lsn: Option<Lsn>,
+    /// Oldest WAL the slot keeps.
+    pub restart_lsn: Option<Lsn>,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    /// PID of the walsender using it, if any.
+    pub active_pid: Option<i32>,
+    /// Database the slot belongs to.
+    pub database: Option<String>,
+}
+
+fn parse_lsn(s: Option<String>) -> Option<Lsn> {
+    s.and_then(|s| s.parse().ok())
+}
+
+/// Reads the slot, `None` when it does not exist.
+pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>, SourceError> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, confirmed_flush_lsn::text, restart_lsn::text, wal_status, \
+             active_pid, database::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&cfg.postgres.slot],
+        )
+        .await
+        .map_err(sql_err(&cfg.postgres, "reading pg_replication_slots"))?;
+    Ok(row.map(|r| SlotInfo {
+        plugin: r.get(0),
+        confirmed_flush_lsn: parse_lsn(r.get(1)),
+        restart_lsn: parse_lsn(r.get(2)),
+        wal_status: r.get(3),
+        active_pid: r.get(4),
+        database: r.get(5),
+    }))
+}
+
+/// Checks the slot is usable for `run` and returns its confirmed position.
+pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceError> {
+    let slot = &cfg.postgres.slot;
+    let info = slot_info(client, cfg).await?.ok_or_else(|| {
+        SourceError::Setup(format!(
+            "replication slot {slot:?} does not exist (postgres.slot); create it with `outbox-relay setup`"
+        ))
+    })?;
+    if info.plugin.as_deref() != Some("pgoutput") {
+        return Err(SourceError::Setup(format!(
+            "replication slot {slot:?} uses plugin {:?}, not pgoutput; drop it and run `outbox-relay setup`",
+            info.plugin.unwrap_or_default()
+        )));
+    }
+    if info.wal_status.as_deref() == Some("lost") {
+        return Err(SourceError::Setup(format!(
+            "replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed. \
+             Events committed since its last confirmed position may not be replayable from WAL; \
+             drop and recreate the slot, then re-publish from the outbox table"
+        )));
+    }
+    if let Some(pid) = info.active_pid {
+        return Err(SourceError::SlotBusy {
+            slot: slot.clone(),
+            pid,
+        });
+    }
+    info.confirmed_flush_lsn.ok_or_else(|| {
+        SourceError::Setup(format!(
+            "replication slot {slot:?} has no confirmed_flush_lsn; is it a logical slot?"
+        ))
+    })
+}
+
+/// Refuses when `wal_level` is not `logical`.
+pub async fn require_logical_wal(client: &Client, cfg: &Config) -> Result<(), SourceError> {
+    let level: String = client
+        .query_one("SHOW wal_level", &[])
+        .await
+        .map_err(sql_err(&cfg.postgres, "reading wal_level"))?
+        .get(0);
+    if level != "logical" {
+        return Err(SourceError::Setup(format!(
+            "wal_level is {level:?} but logical replication needs wal_level = logical: \
+             set it in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        )));
+    }
+    Ok(())
+}
+
+/// What `setup` did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SetupReport {
+    /// The publication was created now.
+    pub created_publication: bool,
+    /// The slot was created now.
+    pub created_slot: bool,
+}
+
+/// Creates the publication and the slot when missing; checks them when present.
+pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceError> {
+    require_logical_wal(client, cfg).await?;
+    let pg = &cfg.postgres;
+    let table = &cfg.outbox.table;
+    let mut report = SetupReport::default();
+
+    let exists = client
+        .query_opt("SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2",
+            &[&table.schema, &table.name])
+        .await
+        .map_err(sql_err(pg, "looking up the outbox table"))?;
+    if exists.is_none() {
+        return Err(SourceError::Setup(format!(
+            "outbox table {table} does not exist (outbox.table); create it first, e.g. with sql/outbox.sql"
+        )));
+    }
+
+    let publication = client
+        .query_opt(
+            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            &[&pg.publication],
+        )
+        .await
+        .map_err(sql_err(pg, "reading pg_publication"))?;
+    match publication {
+        None => {
+            let sql = format!(
+                "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+                quote_ident(&pg.publication),
+                table.quoted()
+            );
+            client
+                .batch_execute(&sql)
+                .await
+                .map_err(sql_err(pg, "creating the publication"))?;
+            report.created_publication = true;
+        }
+        Some(row) => {
+            let inserts: bool = row.get(0);
+            let covers = client
+                .query_opt(
+                    "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                    &[&pg.publication, &table.schema, &table.name],
+                )
+                .await
+                .map_err(sql_err(pg, "reading pg_publication_tables"))?;
+            if !inserts || covers.is_none() {
+                return Err(SourceError::Setup(format!(
+                    "publication {:?} exists but does not publish inserts into {table} (postgres.publication); \
+                     drop it or run: ALTER PUBLICATION {} ADD TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
+                    pg.publication,
+                    quote_ident(&pg.publication),
+                    table.quoted(),
+                    quote_ident(&pg.publication),
+                )));
+            }
+        }
+    }
+
+    match slot_info(client, cfg).await? {
+        None => {
+            client
+                .query_one(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&pg.slot],
+                )
+                .await
+                .map_err(sql_err(pg, "creating the replication slot"))?;
+            report.created_slot = true;
+        }
+        Some(info) if info.plugin.as_deref() != Some("pgoutput") => {
+            return Err(SourceError::Setup(format!(
+                "replication slot {:?} exists with plugin {:?}; it must use pgoutput (postgres.slot)",
+                pg.slot,
+                info.plugin.unwrap_or_default()
+            )));
+        }
+        Some(_) => {}
+    }
+    Ok(report)
+}
