@@ -166,7 +166,7 @@ async fn published_message_matches_the_schema() {
         .get(0);
     let got = fx
         .collect_until(
-            &[id.clone()],
+            std::slice::from_ref(&id),
             Duration::from_secs(30),
             Duration::ZERO,
             Some(&relay),
