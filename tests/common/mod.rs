@@ -258,7 +258,10 @@ listen = "127.0.0.1:0"
     pub fn relay_cmd(&self, sub: &str) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
         c.arg(sub).arg("--config").arg(&self.config);
-        c.env("OUTBOX_RELAY_LOG", "info,outbox_relay=debug");
+        c.env(
+            "OUTBOX_RELAY_LOG",
+            std::env::var("TEST_RELAY_LOG").unwrap_or_else(|_| "info,outbox_relay=debug".into()),
+        );
         c
     }
 
@@ -364,9 +367,10 @@ listen = "127.0.0.1:0"
                 }
                 _ => {
                     let log = relay.map(|r| r.log_tail()).unwrap_or_default();
+                    let missing = want.len();
+                    let diag = self.diagnostics().await;
                     panic!(
-                        "{} of {} events missing after {timeout:?}; relay log:\n{log}",
-                        want.len(),
+                        "{missing} of {} events missing after {timeout:?}; {diag}\nrelay log:\n{log}",
                         ids.len()
                     );
                 }
@@ -382,6 +386,41 @@ listen = "127.0.0.1:0"
             got.push(r);
         }
         got
+    }
+
+    /// Slot position and queue depth, for failure messages.
+    pub async fn diagnostics(&self) -> String {
+        let pg = pg_connect_retry().await;
+        let slot = pg
+            .query_one(
+                "SELECT format('slot active_pid=%s confirmed_flush_lsn=%s current=%s', active_pid, confirmed_flush_lsn, pg_current_wal_lsn()) FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .map(|r| r.get::<_, String>(0))
+            .unwrap_or_else(|e| e.to_string());
+        let depth = match self.amqp.create_channel().await {
+            Ok(ch) => ch
+                .queue_declare(
+                    self.queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map(|q| {
+                    format!(
+                        "queue depth {} consumers {}",
+                        q.message_count(),
+                        q.consumer_count()
+                    )
+                })
+                .unwrap_or_else(|e| e.to_string()),
+            Err(e) => e.to_string(),
+        };
+        format!("{slot}; {depth}")
     }
 
     /// Everything delivered within `wait`.

@@ -1,0 +1,15 @@
+-- slot.sql: the logical replication slot that outbox-relay consumes.
+--
+-- What: creates a persistent slot decoding with the built-in pgoutput
+-- plugin. From now on PostgreSQL keeps all WAL the relay has not yet
+-- confirmed, so events inserted while the relay is down are not lost.
+-- Caution: an abandoned slot keeps WAL forever and fills the disk; drop it
+-- with SELECT pg_drop_replication_slot('outbox_relay') when retiring the relay.
+-- When: once per database, after publication.sql, before the application
+-- starts writing events (nothing committed before this is ever relayed).
+-- As whom: a superuser, or the relay's role (it has REPLICATION, see
+-- role.sql), connected to the database that holds the outbox table (a
+-- logical slot belongs to one database).
+--   psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f sql/slot.sql
+-- `outbox-relay setup` does the same.
+SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput');

@@ -1,0 +1,245 @@
+//! The command line against real servers: `setup` is idempotent and refuses
+//! `wal_level != logical`; bad configuration and a missing slot stop `run`
+//! with a message that names what to fix; passwords never appear.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+fn stderr(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_is_idempotent() {
+    let fx = Fixture::new("setup").await; // ran setup once
+    let out = fx.relay_cmd("setup").output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("publication {}: already present", fx.publication)),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("replication slot {}: already present", fx.slot)),
+        "{text}"
+    );
+    let pg = pg_connect().await;
+    let n: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM pg_publication_tables WHERE pubname = $1",
+            &[&fx.publication],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+    let pubinsert: (bool, bool) = pg
+        .query_one(
+            "SELECT pubinsert, pubupdate FROM pg_publication WHERE pubname = $1",
+            &[&fx.publication],
+        )
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(
+        pubinsert,
+        (true, false),
+        "publication must publish inserts only"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_config_is_refused_naming_the_key_without_secrets() {
+    let fx = Fixture::new("badcfg").await;
+    let good = std::fs::read_to_string(&fx.config).unwrap();
+
+    let cases = [
+        (
+            good.replace("[http]", "[http]\nlisten_addr = \"x\""),
+            "listen_addr",
+        ),
+        (
+            good.replace("status_interval_ms = 200", "status_interval_ms = \"soon\""),
+            "postgres.status_interval_ms",
+        ),
+        (
+            good.replace("[rabbitmq]", "[rabbitmq]\nwindow = 0"),
+            "rabbitmq.window",
+        ),
+    ];
+    for (text, key) in cases {
+        std::fs::write(&fx.config, &text).unwrap();
+        let out = fx.relay_cmd("run").output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{key}: {}", stderr(&out));
+        assert!(stderr(&out).contains(key), "{key}: {}", stderr(&out));
+    }
+    std::fs::write(&fx.config, &good).unwrap();
+    let out = fx
+        .relay_cmd("run")
+        .env("OUTBOX_RELAY_RABBITMQ_WINDOW", "many")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("rabbitmq.window"), "{}", stderr(&out));
+
+    // A wrong password: the error names the server but never the password.
+    let secret = "Sup3rS3cretPw";
+    let url = pg_url().replace(":postgres@", &format!(":{secret}@"));
+    let out = fx
+        .relay_cmd("run")
+        .env("OUTBOX_RELAY_POSTGRES_URL", &url)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("password authentication failed"), "{err}");
+    assert!(!err.contains(secret), "password leaked: {err}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_without_a_slot_says_to_run_setup() {
+    let fx = Fixture::new("noslot").await;
+    let pg = pg_connect().await;
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    let out = fx.relay_cmd("run").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&fx.slot) && err.contains("outbox-relay setup"),
+        "{err}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_the_slot() {
+    let fx = Fixture::new("status").await;
+    let out = fx.relay_cmd("status").arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["slot"], fx.slot.as_str());
+    assert_eq!(v["exists"], true);
+    assert_eq!(v["active"], false);
+    assert!(v["confirmed_flush_lsn"].as_str().unwrap().contains('/'));
+    assert!(v["retained_wal_bytes"].as_i64().unwrap() >= 0);
+    fx.cleanup().await;
+}
+
+/// A throwaway PostgreSQL with `wal_level = replica`, run as the `postgres`
+/// OS user like the harness's.
+struct ScratchPg {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl ScratchPg {
+    fn start(wal_level: &str) -> ScratchPg {
+        let bin = pg_bin();
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-scratch-pg")
+            .tempdir()
+            .unwrap();
+        let data = dir.path().join("data");
+        let chown = Command::new("chown")
+            .arg("-R")
+            .arg("postgres:postgres")
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(chown.success());
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ok = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("initdb"))
+            .args(["-A", "trust", "-U", "postgres", "-D"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert!(ok.status.success(), "initdb: {}", stderr(&ok));
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c wal_level={wal_level} -c fsync=off",
+            dir.path().display()
+        );
+        let ok = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("pg_ctl"))
+            .args(["-w", "-D"])
+            .arg(&data)
+            .args(["-o", &opts, "-l"])
+            .arg(dir.path().join("log"))
+            .arg("start")
+            .output()
+            .unwrap();
+        assert!(ok.status.success(), "pg_ctl start: {}", stderr(&ok));
+        ScratchPg { dir, port }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for ScratchPg {
+    fn drop(&mut self) {
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(pg_bin().join("pg_ctl"))
+            .args(["-m", "immediate", "-D"])
+            .arg(self.dir.path().join("data"))
+            .arg("stop")
+            .output();
+    }
+}
+
+fn pg_bin() -> std::path::PathBuf {
+    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server packages in /usr/lib/postgresql")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| Path::new(p).join("bin/initdb").exists())
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .expect("a PostgreSQL version with initdb")
+        .join("bin")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_refuses_when_wal_level_is_not_logical() {
+    let scratch = ScratchPg::start("replica");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[postgres]\nurl = \"{}\"\n[outbox]\ntable = \"outbox\"\n[rabbitmq]\nurl = \"{}\"\nexchange = \"x\"\n",
+            scratch.url(),
+            amqp_url()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(["setup", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("wal_level") && err.contains("logical") && err.contains("restart"),
+        "{err}"
+    );
+}
