@@ -87,11 +87,16 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Backoff between sessions: from `BACKOFF_BASE`, doubling, capped.
 const BACKOFF_BASE: Duration = Duration::from_millis(250);
 const BACKOFF_CAP: Duration = Duration::from_secs(30);
+/// Poll interval while another process holds the slot.
+const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
+/// How often "waiting for the slot" is logged.
+const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// Runs sessions until `shutdown` is cancelled (returns the final confirmed
 /// LSN) or a fatal error.
 pub async fn run(cfg: &Config, shutdown: CancellationToken) -> Result<Lsn, RelayError> {
     let mut attempt: u32 = 0;
+    let mut busy_logged: Option<Instant> = None;
     loop {
         let mut progressed = false;
         match session(cfg, &shutdown, &mut progressed).await {
@@ -100,9 +105,20 @@ pub async fn run(cfg: &Config, shutdown: CancellationToken) -> Result<Lsn, Relay
                 if progressed {
                     attempt = 0;
                 }
-                let delay = backoff(attempt);
-                attempt = attempt.saturating_add(1);
-                warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, attempt, "reconnecting");
+                let delay = if matches!(e, RelayError::Source(SourceError::SlotBusy { .. })) {
+                    // Another relay holds the slot: poll often so a standby
+                    // takes over soon after it dies, but log rarely.
+                    if busy_logged.is_none_or(|t| t.elapsed() >= SLOT_BUSY_LOG_EVERY) {
+                        warn!(reason = %e, "standing by: waiting for the slot");
+                        busy_logged = Some(Instant::now());
+                    }
+                    SLOT_BUSY_RETRY.mul_f64(rand::random_range(0.5..1.0))
+                } else {
+                    let delay = backoff(attempt);
+                    attempt = attempt.saturating_add(1);
+                    warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, attempt, "reconnecting");
+                    delay
+                };
                 tokio::select! {
                     _ = shutdown.cancelled() => return Err(e),
                     _ = tokio::time::sleep(delay) => {}

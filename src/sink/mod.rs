@@ -187,23 +187,17 @@ impl AmqpSink {
     /// Hands one message to the broker. Returns once lapin has queued the
     /// frames; the returned future resolves on the broker's confirm.
     pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
-        self.channel
-            .basic_publish(
-                env.exchange.clone(),
-                env.routing_key.clone(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &env.body,
-                env.properties.clone(),
-            )
-            .await
-            .map_err(|source| SinkError::Amqp {
-                what: "publishing",
-                url: self.url.clone(),
-                source,
-            })
+        let publish = self.channel.basic_publish(
+            env.exchange.clone(),
+            env.routing_key.clone(),
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            &env.body,
+            env.properties.clone(),
+        );
+        deadline("publishing", &self.url, publish).await
     }
 
     /// True while the broker has blocked publishing (resource alarm).
