@@ -28,3 +28,7 @@ CREATE ROLE outbox_relay WITH LOGIN REPLICATION
 GRANT CONNECT ON DATABASE :"DBNAME" TO outbox_relay;
 GRANT USAGE ON SCHEMA public TO outbox_relay;
 GRANT SELECT ON TABLE public.outbox TO outbox_relay;
+
+-- The relay records its checkpoint here (sql/checkpoint.sql); it needs to
+-- read and upsert its own row, nothing more.
+GRANT SELECT, INSERT, UPDATE ON TABLE public.outbox_relay_checkpoint TO outbox_relay;

@@ -72,8 +72,12 @@ impl Command {
 }
 
 /// `run`: returns the final confirmed LSN.
-pub async fn run(cfg: &Config, shutdown: CancellationToken) -> Result<Lsn, RelayError> {
-    relay::run(cfg, shutdown).await
+pub async fn run(
+    cfg: &Config,
+    shutdown: CancellationToken,
+    metrics: &crate::metrics::Metrics,
+) -> Result<Lsn, RelayError> {
+    relay::run(cfg, shutdown, metrics).await
 }
 
 /// `setup`: prints what it did.

@@ -138,6 +138,10 @@ struct RawPostgres {
     publication: String,
     #[serde(default = "default_status_interval_ms", deserialize_with = "de_u64")]
     status_interval_ms: u64,
+    #[serde(default, deserialize_with = "de_u64")]
+    heartbeat_secs: u64,
+    #[serde(default = "default_checkpoint_table")]
+    checkpoint_table: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -150,6 +154,7 @@ struct RawOutbox {
     event_type: String,
     payload: String,
     headers: String,
+    created_at: String,
 }
 
 impl Default for RawOutbox {
@@ -162,6 +167,7 @@ impl Default for RawOutbox {
             event_type: "event_type".into(),
             payload: "payload".into(),
             headers: "headers".into(),
+            created_at: "created_at".into(),
         }
     }
 }
@@ -177,6 +183,16 @@ struct RawRabbitmq {
     window: u64,
     #[serde(default = "default_confirm_timeout_secs", deserialize_with = "de_u64")]
     confirm_timeout_secs: u64,
+    #[serde(default)]
+    dead_letter_exchange: Option<String>,
+    #[serde(default = "default_unroutable_retries", deserialize_with = "de_u64")]
+    unroutable_retries: u64,
+    #[serde(default = "default_retry_backoff_ms", deserialize_with = "de_u64")]
+    retry_backoff_ms: u64,
+    #[serde(default = "default_max_message_bytes", deserialize_with = "de_u64")]
+    max_message_bytes: u64,
+    #[serde(default = "default_shutdown_grace_secs", deserialize_with = "de_u64")]
+    shutdown_grace_secs: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -210,6 +226,22 @@ fn default_window() -> u64 {
 }
 fn default_confirm_timeout_secs() -> u64 {
     30
+}
+fn default_checkpoint_table() -> String {
+    "public.outbox_relay_checkpoint".into()
+}
+fn default_unroutable_retries() -> u64 {
+    3
+}
+fn default_retry_backoff_ms() -> u64 {
+    500
+}
+/// RabbitMQ's own default `max_message_size` (128 MiB).
+fn default_max_message_bytes() -> u64 {
+    128 * 1024 * 1024
+}
+fn default_shutdown_grace_secs() -> u64 {
+    10
 }
 
 /// Numbers may come from TOML integers or from environment overrides, which
@@ -269,6 +301,10 @@ pub struct PostgresConfig {
     pub publication: String,
     /// How often the confirmed position is reported to the server.
     pub status_interval: Duration,
+    /// Interval of the transactional heartbeat message; `None` = off.
+    pub heartbeat: Option<Duration>,
+    /// Table where the relay records its checkpoint.
+    pub checkpoint_table: TableName,
 }
 
 /// `[outbox]`: which table, and which of its columns play which role.
@@ -295,6 +331,8 @@ pub struct OutboxColumns {
     pub payload: String,
     /// Optional JSON object of extra headers.
     pub headers: String,
+    /// Insert time; `recover` and `republish --since` select rows by it.
+    pub created_at: String,
 }
 
 impl OutboxColumns {
@@ -308,6 +346,7 @@ impl OutboxColumns {
             event_type: r.event_type,
             payload: r.payload,
             headers: r.headers,
+            created_at: r.created_at,
         }
     }
 
@@ -339,6 +378,16 @@ pub struct RabbitmqConfig {
     pub window: usize,
     /// A confirm that has not come after this long is a failure.
     pub confirm_timeout: Duration,
+    /// Where undeliverable events go; `None`: stop instead.
+    pub dead_letter_exchange: Option<String>,
+    /// Publishes of an unroutable message before it is dead-lettered.
+    pub unroutable_attempts: u32,
+    /// First delay before re-publishing a returned or nacked message.
+    pub retry_backoff: Duration,
+    /// Bodies larger than this are dead-lettered without being sent.
+    pub max_message_bytes: usize,
+    /// How long shutdown waits for outstanding confirms.
+    pub shutdown_grace: Duration,
 }
 
 /// `[http]`.
@@ -465,6 +514,7 @@ impl RawConfig {
             event_type: o.event_type,
             payload: o.payload,
             headers: o.headers,
+            created_at: o.created_at,
         };
         for (key, v) in [
             ("outbox.id", &columns.id),
@@ -473,6 +523,7 @@ impl RawConfig {
             ("outbox.event_type", &columns.event_type),
             ("outbox.payload", &columns.payload),
             ("outbox.headers", &columns.headers),
+            ("outbox.created_at", &columns.created_at),
         ] {
             check_identifier(key, v)?;
         }
@@ -506,6 +557,49 @@ impl RawConfig {
             ));
         }
 
+        let dead_letter_exchange = match r.dead_letter_exchange {
+            Some(x) if x.is_empty() => None,
+            Some(x) if x.len() > 255 => {
+                return Err(key_err(
+                    "rabbitmq.dead_letter_exchange",
+                    "at most 255 bytes",
+                ));
+            }
+            other => other,
+        };
+        if !(1..=1000).contains(&r.unroutable_retries) {
+            return Err(key_err(
+                "rabbitmq.unroutable_retries",
+                "expected publishes of an unroutable message before dead-lettering, 1 to 1000",
+            ));
+        }
+        if !(1..=60_000).contains(&r.retry_backoff_ms) {
+            return Err(key_err(
+                "rabbitmq.retry_backoff_ms",
+                "expected milliseconds between 1 and 60000",
+            ));
+        }
+        if !(1024..=(512 * 1024 * 1024)).contains(&r.max_message_bytes) {
+            return Err(key_err(
+                "rabbitmq.max_message_bytes",
+                "expected bytes between 1024 and 536870912 (RabbitMQ's limit)",
+            ));
+        }
+        if r.shutdown_grace_secs > 3600 {
+            return Err(key_err(
+                "rabbitmq.shutdown_grace_secs",
+                "expected seconds between 0 and 3600",
+            ));
+        }
+        if p.heartbeat_secs > 86_400 {
+            return Err(key_err(
+                "postgres.heartbeat_secs",
+                "expected seconds, 0 (off) to 86400",
+            ));
+        }
+        let checkpoint_table =
+            parse_table_name_at("postgres.checkpoint_table", &p.checkpoint_table)?;
+
         let listen = self
             .http
             .listen
@@ -518,6 +612,8 @@ impl RawConfig {
                 slot: p.slot,
                 publication: p.publication,
                 status_interval: Duration::from_millis(p.status_interval_ms),
+                heartbeat: (p.heartbeat_secs > 0).then(|| Duration::from_secs(p.heartbeat_secs)),
+                checkpoint_table,
             },
             outbox: OutboxConfig { table, columns },
             rabbitmq: RabbitmqConfig {
@@ -526,6 +622,11 @@ impl RawConfig {
                 routing_key,
                 window: r.window as usize,
                 confirm_timeout: Duration::from_secs(r.confirm_timeout_secs),
+                dead_letter_exchange,
+                unroutable_attempts: r.unroutable_retries as u32,
+                retry_backoff: Duration::from_millis(r.retry_backoff_ms),
+                max_message_bytes: r.max_message_bytes as usize,
+                shutdown_grace: Duration::from_secs(r.shutdown_grace_secs),
             },
             http: HttpConfig { listen },
         })
@@ -540,17 +641,18 @@ fn check_identifier(key: &str, v: &str) -> Result<(), ConfigError> {
 }
 
 fn parse_table_name(s: &str) -> Result<TableName, ConfigError> {
+    parse_table_name_at("outbox.table", s)
+}
+
+fn parse_table_name_at(key: &str, s: &str) -> Result<TableName, ConfigError> {
     let (schema, name) = match s.split_once('.') {
         Some((schema, name)) => (schema, name),
         None => ("public", s),
     };
-    check_identifier("outbox.table", schema)?;
-    check_identifier("outbox.table", name)?;
+    check_identifier(key, schema)?;
+    check_identifier(key, name)?;
     if name.contains('.') {
-        return Err(key_err(
-            "outbox.table",
-            "expected `table` or `schema.table`",
-        ));
+        return Err(key_err(key, "expected `table` or `schema.table`"));
     }
     Ok(TableName {
         schema: schema.to_owned(),

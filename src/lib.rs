@@ -36,8 +36,10 @@
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod http;
 pub mod lsn;
 pub mod message;
+pub mod metrics;
 pub mod outbox;
 pub mod pgoutput;
 pub mod relay;

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use outbox_relay::cli::{self, Cli, Command, LogFormat};
 use outbox_relay::config::Config;
+use outbox_relay::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
 fn init_logging(format: LogFormat) {
@@ -45,6 +46,17 @@ fn install_signals(token: CancellationToken) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn run(cfg: &Config) -> anyhow::Result<()> {
+    let token = CancellationToken::new();
+    install_signals(token.clone())?;
+    let metrics = Metrics::new();
+    let addr = outbox_relay::http::serve(cfg.http.listen, metrics.clone(), token.clone()).await?;
+    tracing::info!(%addr, "serving /metrics /healthz /readyz");
+    let lsn = cli::run(cfg, token, &metrics).await?;
+    println!("final confirmed LSN {lsn}");
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -57,16 +69,7 @@ async fn main() -> ExitCode {
         }
     };
     let result: anyhow::Result<()> = match &cli.command {
-        Command::Run(_) => {
-            let token = CancellationToken::new();
-            match install_signals(token.clone()) {
-                Err(e) => Err(e),
-                Ok(()) => cli::run(&cfg, token)
-                    .await
-                    .map(|lsn| println!("final confirmed LSN {lsn}"))
-                    .map_err(anyhow::Error::from),
-            }
-        }
+        Command::Run(_) => run(&cfg).await,
         Command::Setup(_) => cli::setup(&cfg).await.map_err(anyhow::Error::from),
         Command::Status { json, .. } => cli::status(&cfg, *json).await.map_err(anyhow::Error::from),
     };

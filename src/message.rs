@@ -178,6 +178,97 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
     })
 }
 
+/// Headers a dead-lettered message carries, saying why and where it was going.
+pub mod dead_letter_headers {
+    /// Why the event could not be delivered.
+    pub const ERROR: &str = "x-outbox-error";
+    /// The exchange it was published to (or its template, if unrenderable).
+    pub const ORIGINAL_EXCHANGE: &str = "x-outbox-original-exchange";
+    /// The routing key it was published with (empty if unrenderable).
+    pub const ORIGINAL_ROUTING_KEY: &str = "x-outbox-original-routing-key";
+    /// How many times it was published before giving up.
+    pub const ATTEMPTS: &str = "x-outbox-attempts";
+    /// Size of a body too large to send (the dead letter then has none).
+    pub const BODY_BYTES: &str = "x-outbox-body-bytes";
+}
+
+impl Envelope {
+    /// The copy that goes to `dlx`: same body, properties and headers, plus
+    /// `x-outbox-*` headers that say why and where it was going. Routed with
+    /// the original routing key, so a dead-letter queue can still filter.
+    pub fn dead_letter(&self, dlx: &str, reason: &str, attempts: u32) -> Envelope {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            dead_letter_headers::ERROR.into(),
+            AMQPValue::LongString(reason.into()),
+        );
+        headers.insert(
+            dead_letter_headers::ORIGINAL_EXCHANGE.into(),
+            AMQPValue::LongString(self.exchange.as_str().into()),
+        );
+        headers.insert(
+            dead_letter_headers::ORIGINAL_ROUTING_KEY.into(),
+            AMQPValue::LongString(self.routing_key.as_str().into()),
+        );
+        headers.insert(
+            dead_letter_headers::ATTEMPTS.into(),
+            AMQPValue::LongLongInt(i64::from(attempts)),
+        );
+        Envelope {
+            exchange: ShortString::from(dlx),
+            routing_key: self.routing_key.clone(),
+            body: self.body.clone(),
+            properties: self.properties.clone().with_headers(headers),
+            id: self.id.clone(),
+        }
+    }
+
+    /// As [`Envelope::dead_letter`] for a body over the broker's size limit:
+    /// the dead letter carries the headers and the size, not the body.
+    pub fn dead_letter_oversized(&self, dlx: &str, limit: usize) -> Envelope {
+        let reason = format!(
+            "body of {} bytes exceeds rabbitmq.max_message_bytes ({limit})",
+            self.body.len()
+        );
+        let mut dl = self.dead_letter(dlx, &reason, 0);
+        let mut headers = dl.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            dead_letter_headers::BODY_BYTES.into(),
+            AMQPValue::LongLongInt(self.body.len() as i64),
+        );
+        dl.properties = dl.properties.with_headers(headers);
+        dl.body = Bytes::new();
+        dl
+    }
+}
+
+/// The dead letter for a row that could not become a message at all: what is
+/// known of it (id, payload bytes) and why.
+pub fn dead_letter_unrenderable(ev: &OutboxEvent, err: &RenderError, dlx: &str) -> Envelope {
+    let mapping = ev.mapping.as_ref().ok();
+    let id = mapping
+        .and_then(|m| ev.value(m.id))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .unwrap_or_else(|| "?".to_owned());
+    let body = mapping
+        .and_then(|m| ev.value(m.payload))
+        .cloned()
+        .unwrap_or_default();
+    let mut properties = BasicProperties::default().with_delivery_mode(2);
+    if id.len() <= 255 {
+        properties = properties.with_message_id(ShortString::from(id.as_str()));
+    }
+    let original = Envelope {
+        exchange: ShortString::from(""),
+        routing_key: ShortString::from(""),
+        body,
+        properties: properties
+            .with_timestamp(u64::try_from(ev.commit_time_us / 1_000_000).unwrap_or(0)),
+        id,
+    };
+    original.dead_letter(dlx, &err.to_string(), 0)
+}
+
 fn json_to_amqp(v: serde_json::Value) -> AMQPValue {
     use serde_json::Value;
     match v {
@@ -223,6 +314,11 @@ mod tests {
             routing_key: Template::parse(rk).unwrap(),
             window: 10,
             confirm_timeout: Duration::from_secs(1),
+            dead_letter_exchange: None,
+            unroutable_attempts: 3,
+            retry_backoff: Duration::from_millis(10),
+            max_message_bytes: 1 << 20,
+            shutdown_grace: Duration::from_secs(1),
         }
     }
 
@@ -398,6 +494,66 @@ mod tests {
         );
         assert!(
             matches!(missing, Err(MappingError::MissingColumn { ref key, .. }) if key == "rabbitmq.routing_key")
+        );
+    }
+
+    #[test]
+    fn dead_letters_say_why_and_where() {
+        let rel = relation(3802, true);
+        let ev = event(
+            &rel,
+            "{aggregate_type}.{event_type}",
+            &[
+                Some("id9"),
+                Some("t"),
+                Some("a"),
+                Some("e"),
+                Some("{\"k\":1}"),
+                Some("{\"h\":\"v\"}"),
+            ],
+        );
+        let env = render(&ev).unwrap();
+        let dl = env.dead_letter("dlx", "unroutable", 4);
+        assert_eq!(dl.exchange.as_str(), "dlx");
+        assert_eq!(dl.routing_key.as_str(), "t.e");
+        assert_eq!(dl.body, env.body);
+        let h = dl.properties.headers().as_ref().unwrap().inner();
+        assert_eq!(
+            h.get("x-outbox-error"),
+            Some(&AMQPValue::LongString("unroutable".into()))
+        );
+        assert_eq!(
+            h.get("x-outbox-original-exchange"),
+            Some(&AMQPValue::LongString("outbox".into()))
+        );
+        assert_eq!(h.get("x-outbox-attempts"), Some(&AMQPValue::LongLongInt(4)));
+        assert_eq!(
+            h.get("h"),
+            Some(&AMQPValue::LongString("v".into())),
+            "original headers kept"
+        );
+        assert_eq!(dl.properties.message_id(), env.properties.message_id());
+
+        let big = env.dead_letter_oversized("dlx", 3);
+        assert!(big.body.is_empty());
+        let h = big.properties.headers().as_ref().unwrap().inner();
+        assert_eq!(
+            h.get("x-outbox-body-bytes"),
+            Some(&AMQPValue::LongLongInt(7))
+        );
+
+        let null_type = event(
+            &rel,
+            "{aggregate_type}",
+            &[Some("id10"), None, Some("a"), Some("e"), Some("{}"), None],
+        );
+        let err = render(&null_type).unwrap_err();
+        let dl = dead_letter_unrenderable(&null_type, &err, "dlx");
+        assert_eq!(dl.id, "id10");
+        assert_eq!(&dl.body[..], b"{}");
+        let h = dl.properties.headers().as_ref().unwrap().inner();
+        assert!(
+            matches!(h.get("x-outbox-error"), Some(AMQPValue::LongString(s)) if String::from_utf8_lossy(s.as_bytes()).contains("NULL"))
         );
     }
 

@@ -16,24 +16,24 @@
 //! so the next session replays it from the slot: recovery needs no state of
 //! its own beyond the slot.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
-use lapin::PublisherConfirm;
-use lapin::types::ShortString;
 use pgwire_replication::{ReplicationClient, ReplicationEvent};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
-use crate::checkpoint::{Checkpoint, CheckpointError, Seq};
+use crate::checkpoint::CheckpointError;
 use crate::config::Config;
 use crate::lsn::Lsn;
-use crate::message::{RenderError, render};
-use crate::outbox::{Decoded, OutboxDecoder, OutboxEvent, PG_EPOCH_OFFSET_US};
-use crate::sink::{AmqpSink, SinkError, check_confirmation};
+use crate::message::RenderError;
+use crate::metrics::{Metrics, Target, TargetLabel};
+use crate::outbox::{Decoded, OutboxDecoder, PG_EPOCH_OFFSET_US};
+use crate::sink::publisher::{self, Progress, SinkItem};
+use crate::sink::{AmqpSink, SinkError};
+use crate::source::checkpoint_table;
 use crate::source::{SourceError, connect_sql, slot::usable_slot, start_replication};
 
 /// Why the relay stopped, or why a session ended.
@@ -45,9 +45,21 @@ pub enum RelayError {
     /// Broker side.
     #[error(transparent)]
     Sink(#[from] SinkError),
-    /// A row that cannot become a message.
-    #[error("undeliverable event: {0}")]
+    /// A row that cannot become a message, and no dead-letter exchange.
+    #[error(
+        "undeliverable event: {0}; set rabbitmq.dead_letter_exchange to dead-letter such events instead of stopping"
+    )]
     Render(#[from] RenderError),
+    /// An event the broker will never take, and no dead-letter exchange.
+    #[error(
+        "undeliverable event {id}: {reason}; set rabbitmq.dead_letter_exchange to dead-letter such events instead of stopping"
+    )]
+    Undeliverable {
+        /// Event id.
+        id: String,
+        /// Why.
+        reason: String,
+    },
     /// The stream broke BEGIN/COMMIT order.
     #[error("replication stream out of order: {0}")]
     Order(#[from] CheckpointError),
@@ -60,20 +72,18 @@ impl RelayError {
         match self {
             RelayError::Source(e) => e.is_transient(),
             RelayError::Sink(e) => e.is_transient(),
-            RelayError::Render(_) => false,
+            RelayError::Render(_) | RelayError::Undeliverable { .. } => false,
             // A broken stream is re-read from the slot by a new session.
             RelayError::Order(_) => true,
         }
     }
-}
 
-/// One item from source to sink, in WAL order.
-#[derive(Debug)]
-enum Item {
-    Begin { commit_time_us: i64 },
-    Event(OutboxEvent),
-    Commit { end_lsn: Lsn },
-    Keepalive { wal_end: Lsn },
+    fn target(&self) -> Target {
+        match self {
+            RelayError::Sink(_) => Target::rabbitmq,
+            _ => Target::postgres,
+        }
+    }
 }
 
 /// Items buffered between the loops; with the confirm window and the
@@ -82,8 +92,6 @@ enum Item {
 const CHANNEL_CAPACITY: usize = 512;
 /// Events buffered inside the replication client.
 const REPLICATION_BUFFER: usize = 1024;
-/// How long shutdown waits for outstanding confirms.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Backoff between sessions: from `BACKOFF_BASE`, doubling, capped.
 const BACKOFF_BASE: Duration = Duration::from_millis(250);
 const BACKOFF_CAP: Duration = Duration::from_secs(30);
@@ -91,15 +99,23 @@ const BACKOFF_CAP: Duration = Duration::from_secs(30);
 const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
 /// How often "waiting for the slot" is logged.
 const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
+/// The checkpoint table is written at most this often.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// Retained WAL is polled this often for the metric.
+const RETAINED_WAL_EVERY: Duration = Duration::from_secs(5);
 
 /// Runs sessions until `shutdown` is cancelled (returns the final confirmed
 /// LSN) or a fatal error.
-pub async fn run(cfg: &Config, shutdown: CancellationToken) -> Result<Lsn, RelayError> {
+pub async fn run(
+    cfg: &Config,
+    shutdown: CancellationToken,
+    metrics: &Metrics,
+) -> Result<Lsn, RelayError> {
     let mut attempt: u32 = 0;
     let mut busy_logged: Option<Instant> = None;
     loop {
         let mut progressed = false;
-        match session(cfg, &shutdown, &mut progressed).await {
+        match session(cfg, &shutdown, metrics, &mut progressed).await {
             Ok(lsn) => return Ok(lsn),
             Err(e) if e.is_transient() && !shutdown.is_cancelled() => {
                 if progressed {
@@ -114,6 +130,10 @@ pub async fn run(cfg: &Config, shutdown: CancellationToken) -> Result<Lsn, Relay
                     }
                     SLOT_BUSY_RETRY.mul_f64(rand::random_range(0.5..1.0))
                 } else {
+                    metrics
+                        .reconnects
+                        .get_or_create(&TargetLabel { target: e.target() })
+                        .inc();
                     let delay = backoff(attempt);
                     attempt = attempt.saturating_add(1);
                     warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, attempt, "reconnecting");
@@ -141,34 +161,58 @@ fn backoff(attempt: u32) -> Duration {
 async fn session(
     cfg: &Config,
     shutdown: &CancellationToken,
+    metrics: &Metrics,
     progressed: &mut bool,
 ) -> Result<Lsn, RelayError> {
-    let sql = connect_sql(&cfg.postgres).await?;
+    let sql = Arc::new(connect_sql(&cfg.postgres).await?);
     let start = usable_slot(&sql, cfg).await?;
-    drop(sql);
     let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
     info!("connected to RabbitMQ");
     let mut repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
     info!(slot = %cfg.postgres.slot, lsn = %start, "streaming from LSN");
+    metrics.streaming.set(1);
+    metrics.confirmed_lsn.set(start.0);
 
     let stop = shutdown.child_token();
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_CAPACITY);
-    let (wm_tx, mut wm_rx) = watch::channel(start);
+    let (wm_tx, mut wm_rx) = watch::channel(Progress {
+        lsn: start,
+        commit_time_us: None,
+    });
     let mut decoder = OutboxDecoder::new(&cfg.outbox, &cfg.rabbitmq);
 
-    let source = source_loop(&mut repl, &mut decoder, items_tx, &mut wm_rx, &stop);
+    // Side tasks on the SQL connection; they end with the session.
+    let side = tokio::spawn(side_tasks(
+        cfg.clone(),
+        sql,
+        wm_rx.clone(),
+        metrics.clone(),
+        stop.clone(),
+    ));
+
+    let source = source_loop(
+        &mut repl,
+        &mut decoder,
+        items_tx,
+        &mut wm_rx,
+        &stop,
+        metrics,
+    );
     let sink_loop = async {
-        let r = sink_loop(&sink, items_rx, &wm_tx, cfg, start).await;
+        let r = publisher::run(&sink, items_rx, &wm_tx, &cfg.rabbitmq, start, metrics).await;
         // Whatever ends the sink ends the session: stop reading WAL.
         stop.cancel();
         r
     };
     let (source_res, sink_res) = tokio::join!(source, sink_loop);
+    metrics.streaming.set(0);
 
-    let confirmed = *wm_rx.borrow();
+    let confirmed = wm_rx.borrow().lsn;
     *progressed = confirmed > start;
     report_final(&mut repl, confirmed, cfg.postgres.status_interval).await;
     sink.close().await;
+    stop.cancel();
+    let _ = side.await;
 
     sink_res?;
     source_res?;
@@ -176,19 +220,78 @@ async fn session(
     Ok(confirmed)
 }
 
+/// Work beside the stream that needs the SQL connection: the checkpoint
+/// table, the optional heartbeat, and the retained-WAL gauge. Failures here
+/// are logged, never fatal: the slot remains the source of truth.
+async fn side_tasks(
+    cfg: Config,
+    sql: Arc<tokio_postgres::Client>,
+    mut progress: watch::Receiver<Progress>,
+    metrics: Metrics,
+    stop: CancellationToken,
+) {
+    let mut heartbeat = cfg.postgres.heartbeat.map(tokio::time::interval);
+    let mut retained = tokio::time::interval(RETAINED_WAL_EVERY);
+    let mut written: Option<i64> = None;
+    let mut checkpoint_warned = false;
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {
+                // Only a new durable transaction is worth a write: writing
+                // on keepalives would itself make WAL, forever.
+                let p = *progress.borrow_and_update();
+                if p.commit_time_us.is_some() && p.commit_time_us != written {
+                    match checkpoint_table::write(&sql, &cfg, p).await {
+                        Ok(()) => written = p.commit_time_us,
+                        Err(e) if !checkpoint_warned => {
+                            warn!(error = %e, "cannot record the checkpoint (run `outbox-relay setup` to create its table); continuing");
+                            checkpoint_warned = true;
+                        }
+                        Err(e) => debug!(error = %e, "checkpoint write failed"),
+                    }
+                }
+            }
+            _ = async { heartbeat.as_mut().expect("guarded").tick().await }, if heartbeat.is_some() => {
+                // A transactional message travels the slot like a tiny
+                // transaction, so the watermark moves even when this
+                // database writes nothing at all.
+                if let Err(e) = sql
+                    .execute("SELECT pg_logical_emit_message(true, 'outbox-relay-heartbeat', '')", &[])
+                    .await
+                {
+                    warn!(error = %e, "heartbeat failed");
+                }
+            }
+            _ = retained.tick() => {
+                if let Ok(row) = sql
+                    .query_one(
+                        "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+                        &[&cfg.postgres.slot],
+                    )
+                    .await
+                {
+                    metrics.retained_wal_bytes.set(row.get::<_, Option<i64>>(0).unwrap_or(0));
+                }
+            }
+        }
+    }
+}
+
 /// Hands the final watermark to the server before ending the stream: waits
 /// (bounded) until a status update carrying it has been sent.
 async fn report_final(repl: &mut ReplicationClient, confirmed: Lsn, interval: Duration) {
     repl.update_applied_lsn(confirmed.into());
-    let metrics = repl.metrics();
+    let sent = repl.metrics();
     let deadline = Instant::now() + interval * 2 + Duration::from_secs(1);
     while repl.is_running()
-        && Lsn::from(metrics.last_applied_lsn()) < confirmed
+        && Lsn::from(sent.last_applied_lsn()) < confirmed
         && Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    if Lsn::from(metrics.last_applied_lsn()) < confirmed {
+    if Lsn::from(sent.last_applied_lsn()) < confirmed {
         debug!(lsn = %confirmed, "final position not acknowledged in time; it will be replayed");
     }
     if tokio::time::timeout(Duration::from_secs(5), repl.shutdown())
@@ -202,9 +305,10 @@ async fn report_final(repl: &mut ReplicationClient, confirmed: Lsn, interval: Du
 async fn source_loop(
     repl: &mut ReplicationClient,
     decoder: &mut OutboxDecoder,
-    items: mpsc::Sender<Item>,
-    watermark: &mut watch::Receiver<Lsn>,
+    items: mpsc::Sender<SinkItem>,
+    watermark: &mut watch::Receiver<Progress>,
     stop: &CancellationToken,
+    metrics: &Metrics,
 ) -> Result<(), RelayError> {
     loop {
         // Priorities: stop first, then progress back to the server, then WAL.
@@ -212,7 +316,7 @@ async fn source_loop(
             biased;
             _ = stop.cancelled() => return Ok(()),
             Ok(()) = watermark.changed() => {
-                repl.update_applied_lsn((*watermark.borrow_and_update()).into());
+                repl.update_applied_lsn(watermark.borrow_and_update().lsn.into());
                 continue;
             }
             ev = repl.recv() => ev,
@@ -222,25 +326,30 @@ async fn source_loop(
                 commit_time_micros, ..
             })) => {
                 decoder.begin(commit_time_micros);
-                Item::Begin {
+                SinkItem::Begin {
                     commit_time_us: commit_time_micros.saturating_add(PG_EPOCH_OFFSET_US),
                 }
             }
             Ok(Some(ReplicationEvent::XLogData { data, .. })) => {
                 match decoder.decode(data).map_err(SourceError::from)? {
-                    Decoded::Event(ev) => Item::Event(ev),
+                    Decoded::Event(ev) => SinkItem::Event(ev),
                     Decoded::Nothing => continue,
                 }
             }
             Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
                 decoder.commit();
-                Item::Commit {
+                metrics.transactions.inc();
+                metrics.received_lsn.set(end_lsn.as_u64());
+                SinkItem::Commit {
                     end_lsn: end_lsn.into(),
                 }
             }
-            Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => Item::Keepalive {
-                wal_end: wal_end.into(),
-            },
+            Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => {
+                metrics.received_lsn.set(wal_end.as_u64());
+                SinkItem::Keepalive {
+                    wal_end: wal_end.into(),
+                }
+            }
             Ok(Some(ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. })) => {
                 continue;
             }
@@ -259,108 +368,13 @@ async fn source_loop(
                 biased;
                 _ = stop.cancelled() => return Ok(()),
                 Ok(()) = watermark.changed() => {
-                    repl.update_applied_lsn((*watermark.borrow_and_update()).into());
+                    repl.update_applied_lsn(watermark.borrow_and_update().lsn.into());
                 }
                 permit = items.reserve() => match permit {
                     Ok(p) => { p.send(item); break; }
                     Err(_) => return Ok(()), // the sink ended; its result is the session's
                 },
             }
-        }
-    }
-}
-
-async fn wait_confirm(
-    seq: Seq,
-    id: String,
-    exchange: ShortString,
-    routing_key: ShortString,
-    confirm: PublisherConfirm,
-    timeout: Duration,
-) -> (Seq, Result<(), SinkError>) {
-    let res = match tokio::time::timeout(timeout, confirm).await {
-        Err(_) => Err(SinkError::ConfirmTimeout {
-            id,
-            secs: timeout.as_secs(),
-        }),
-        Ok(Err(source)) => Err(SinkError::Amqp {
-            what: "waiting for a publisher confirm",
-            url: String::from("broker connection"),
-            source,
-        }),
-        Ok(Ok(c)) => check_confirmation(&id, exchange.as_str(), routing_key.as_str(), c),
-    };
-    (seq, res)
-}
-
-async fn sink_loop(
-    sink: &AmqpSink,
-    mut items: mpsc::Receiver<Item>,
-    watermark: &watch::Sender<Lsn>,
-    cfg: &Config,
-    start: Lsn,
-) -> Result<(), RelayError> {
-    let mut cp = Checkpoint::new(start);
-    let mut confirms = FuturesUnordered::new();
-    let window = cfg.rabbitmq.window as u64;
-    let confirm_timeout = cfg.rabbitmq.confirm_timeout;
-    let mut open = true;
-    let mut drain_deadline: Option<Instant> = None;
-    let mut blocked_logged = false;
-    let advance = |lsn: Option<Lsn>| {
-        if let Some(lsn) = lsn {
-            watermark.send_replace(lsn);
-        }
-    };
-    loop {
-        if !open && cp.in_flight() == 0 {
-            return Ok(());
-        }
-        let blocked = sink.is_blocked();
-        if blocked != blocked_logged {
-            if blocked {
-                warn!("broker blocked publishing (resource alarm); pausing");
-            } else {
-                info!("broker unblocked publishing; resuming");
-            }
-            blocked_logged = blocked;
-        }
-        tokio::select! {
-            biased;
-            Some((seq, res)) = confirms.next(), if !confirms.is_empty() => {
-                res?;
-                advance(cp.confirm(seq)?);
-            }
-            item = items.recv(), if open && !blocked && cp.in_flight() < window => match item {
-                None => {
-                    open = false;
-                    drain_deadline = Some(Instant::now() + SHUTDOWN_GRACE);
-                    if cp.in_flight() > 0 {
-                        info!(in_flight = cp.in_flight(), "waiting for outstanding confirms");
-                    }
-                }
-                Some(Item::Begin { commit_time_us }) => cp.begin(commit_time_us)?,
-                Some(Item::Event(ev)) => {
-                    let env = render(&ev).inspect_err(|e| error!(error = %e, "undeliverable event"))?;
-                    let confirm = sink.publish(&env).await?;
-                    let seq = cp.publish()?;
-                    confirms.push(wait_confirm(
-                        seq,
-                        env.id,
-                        env.exchange,
-                        env.routing_key,
-                        confirm,
-                        confirm_timeout,
-                    ));
-                }
-                Some(Item::Commit { end_lsn }) => advance(cp.commit(end_lsn)?),
-                Some(Item::Keepalive { wal_end }) => advance(cp.keepalive(wal_end)),
-            },
-            _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
-                warn!(in_flight = cp.in_flight(), "grace period over with unconfirmed messages; they will be replayed on restart");
-                return Ok(());
-            }
-            _ = tokio::time::sleep(Duration::from_millis(50)), if blocked => {}
         }
     }
 }

@@ -8,6 +8,8 @@
 //! comes back (`basic.return`) before the confirm; lapin hands it over inside
 //! the `Ack`, and we treat that as a failure, never as delivered.
 
+pub mod publisher;
+
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
@@ -58,6 +60,18 @@ pub enum SinkError {
         /// The broker's reply text.
         reply: String,
     },
+    /// The dead-letter exchange refused a dead letter.
+    #[error(
+        "dead-letter exchange {exchange:?} refused event {id} ({reason}); bind a queue to it, or fix rabbitmq.dead_letter_exchange"
+    )]
+    DeadLetterRefused {
+        /// Event id.
+        id: String,
+        /// The dead-letter exchange.
+        exchange: String,
+        /// The broker's reply.
+        reason: String,
+    },
     /// No confirm within `rabbitmq.confirm_timeout_secs`.
     #[error("no confirm for event {id} within {secs} s (rabbitmq.confirm_timeout_secs)")]
     ConfirmTimeout {
@@ -84,7 +98,9 @@ impl SinkError {
                 }
                 _ => source.can_be_recovered(),
             },
-            SinkError::NoExchange(_) | SinkError::Returned { .. } => false,
+            SinkError::NoExchange(_)
+            | SinkError::Returned { .. }
+            | SinkError::DeadLetterRefused { .. } => false,
             SinkError::Timeout(_) | SinkError::Nacked { .. } | SinkError::ConfirmTimeout { .. } => {
                 true
             }

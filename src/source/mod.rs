@@ -1,6 +1,7 @@
 //! The PostgreSQL side: a plain SQL connection for setup and status, and the
 //! replication stream.
 
+pub mod checkpoint_table;
 pub mod slot;
 
 use std::time::Duration;

@@ -166,6 +166,11 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
         }
     }
 
+    client
+        .batch_execute(&super::checkpoint_table::create_sql(cfg))
+        .await
+        .map_err(sql_err(pg, "creating the checkpoint table (postgres.checkpoint_table)"))?;
+
     match slot_info(client, cfg).await? {
         None => {
             client

@@ -598,3 +598,562 @@ pub fn count_by_id(got: &[Received]) -> HashMap<String, usize> {
 pub fn repo_path(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
 }
+
+// ---------------------------------------------------------------------------
+// Failure injection (broker_faults, pg_faults, takeover, chaos): a consumer
+// that outlives the broker, producers that outlive PostgreSQL, slot and
+// walsender probes, a seeded PRNG.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use lapin::options::BasicAckOptions;
+
+impl Fixture {
+    /// Like [`Fixture::start_consumer`], but survives the broker: when its
+    /// connection dies (broker stopped, connections force-closed) it connects
+    /// again and re-subscribes, feeding the same receiver, so `collect_until`
+    /// and `drain_for` see one stream across faults. Messages wait in the
+    /// durable queue meanwhile, so the outage loses nothing to the test.
+    ///
+    /// It acks each delivery once recorded (rather than no-ack), so that a
+    /// delivery in flight when the connection died is requeued by the broker
+    /// instead of lost with the socket. A broker *redelivery* of a message id
+    /// already recorded is not recorded again: the duplicates the tests count
+    /// are then copies the relay published, not echoes of the test's own
+    /// reconnects.
+    ///
+    /// Returns the number of subscriptions so far (1 once this returns).
+    pub async fn start_reconnecting_consumer(&mut self) -> Arc<AtomicU32> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let subscriptions = Arc::new(AtomicU32::new(0));
+        let subs = subscriptions.clone();
+        let queue = self.queue.clone();
+        let tag = format!("rc_{}", self.name);
+        tokio::spawn(async move {
+            let mut ready = Some(ready_tx);
+            let mut seen = HashSet::new();
+            loop {
+                let conn = amqp_connect().await;
+                let consumer = match conn.create_channel().await {
+                    Ok(ch) => ch
+                        .basic_consume(
+                            queue.as_str().into(),
+                            tag.as_str().into(),
+                            BasicConsumeOptions::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                        .ok(),
+                    Err(_) => None,
+                };
+                if let Some(mut consumer) = consumer {
+                    subs.fetch_add(1, Ordering::SeqCst);
+                    if let Some(r) = ready.take() {
+                        let _ = r.send(());
+                    }
+                    loop {
+                        let next = tokio::select! {
+                            d = consumer.next() => d,
+                            // A dead connection does not always end the
+                            // stream promptly: watch it too.
+                            _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                                if conn.status().connected() { continue } else { None }
+                            }
+                        };
+                        let Some(Ok(d)) = next else { break };
+                        let r = Received {
+                            exchange: d.exchange.to_string(),
+                            routing_key: d.routing_key.to_string(),
+                            body: d.data,
+                            properties: d.properties,
+                        };
+                        let fresh = seen.insert(r.message_id());
+                        if (fresh || !d.redelivered) && tx.send(r).is_err() {
+                            return; // the test is done with us
+                        }
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(5),
+                            d.acker.ack(BasicAckOptions::default()),
+                        )
+                        .await;
+                    }
+                }
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    conn.close(200, "test consumer reconnecting".into()),
+                )
+                .await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        ready_rx
+            .await
+            .expect("test consumer task ended before subscribing");
+        self.consumer = Some(rx);
+        subscriptions
+    }
+
+    /// Replaces the fixture's own AMQP connection if a broker fault killed
+    /// it (`diagnostics` and `cleanup` use it).
+    pub async fn refresh_amqp(&mut self) {
+        if !self.amqp.status().connected() {
+            self.amqp = amqp_connect().await;
+        }
+    }
+
+    /// Collects deliveries into `all` until every id in `ids` has been seen
+    /// at least once in `all` (then for `settle` more); panics after
+    /// `timeout` naming what is missing, like `collect_until`.
+    pub async fn collect_rest(
+        &mut self,
+        all: &mut Vec<Received>,
+        ids: &[String],
+        timeout: Duration,
+        settle: Duration,
+        relay: Option<&Relay>,
+    ) {
+        let seen: HashSet<String> = all.iter().map(|r| r.message_id()).collect();
+        let not_yet: Vec<String> = ids.iter().filter(|i| !seen.contains(*i)).cloned().collect();
+        let rest = self.collect_until(&not_yet, timeout, settle, relay).await;
+        all.extend(rest);
+    }
+
+    /// Drains deliveries into `all` until at least `n` more arrived; panics
+    /// after `timeout`.
+    pub async fn wait_deliveries(
+        &mut self,
+        all: &mut Vec<Received>,
+        n: usize,
+        timeout: Duration,
+        relay: Option<&Relay>,
+    ) {
+        let end = Instant::now() + timeout;
+        let target = all.len() + n;
+        while all.len() < target {
+            assert!(
+                Instant::now() < end,
+                "only {} of {n} deliveries within {timeout:?}; relay log:\n{}",
+                n + all.len() - target,
+                relay.map(|r| r.log_tail()).unwrap_or_default()
+            );
+            all.extend(self.drain_for(Duration::from_millis(100)).await);
+        }
+    }
+
+    /// `active_pid` of the slot: the walsender streaming it, if any.
+    pub async fn slot_active_pid(&self, pg: &Client) -> Option<i32> {
+        pg.query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&self.slot],
+        )
+        .await
+        .expect("reading pg_replication_slots")
+        .get(0)
+    }
+
+    /// Waits until a walsender other than `not` streams the slot; returns its
+    /// pid, or `None` after `timeout`. Reconnects to PostgreSQL as needed.
+    pub async fn wait_slot_active(&self, not: Option<i32>, timeout: Duration) -> Option<i32> {
+        let end = Instant::now() + timeout;
+        let mut pg = pg_connect_retry().await;
+        loop {
+            match pg
+                .query_one(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot],
+                )
+                .await
+            {
+                Ok(row) => {
+                    // (No let-chains: the crate's MSRV is 1.85.)
+                    let pid: Option<i32> = row.get(0);
+                    if pid.is_some() && pid != not {
+                        return pid;
+                    }
+                }
+                Err(_) => pg = pg_connect_retry().await,
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `pg_terminate_backend` of the walsender streaming the slot; returns
+    /// its pid, or `None` when nobody streams it.
+    pub async fn terminate_walsender(&self, pg: &Client) -> Option<i32> {
+        pg.query_opt(
+            "SELECT active_pid FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active_pid IS NOT NULL AND pg_terminate_backend(active_pid)",
+            &[&self.slot],
+        )
+        .await
+        .expect("terminating the walsender")
+        .map(|r| r.get(0))
+    }
+
+    /// Waits until the slot's `confirmed_flush_lsn` reaches `target`; returns
+    /// it. Panics after `timeout` with diagnostics.
+    pub async fn wait_confirmed_at_least(
+        &self,
+        target: Lsn,
+        timeout: Duration,
+        relay: Option<&Relay>,
+    ) -> Lsn {
+        let end = Instant::now() + timeout;
+        let mut pg = pg_connect_retry().await;
+        loop {
+            let s = pg
+                .query_one(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&self.slot],
+                )
+                .await;
+            match s {
+                Ok(row) => {
+                    let lsn: Lsn = row.get::<_, String>(0).parse().unwrap();
+                    if lsn >= target {
+                        return lsn;
+                    }
+                    if Instant::now() >= end {
+                        let diag = self.diagnostics().await;
+                        panic!(
+                            "confirmed_flush_lsn {lsn} did not reach the last commit {target} within {timeout:?}; {diag}\nrelay log:\n{}",
+                            relay.map(|r| r.log_tail()).unwrap_or_default()
+                        );
+                    }
+                }
+                Err(_) => pg = pg_connect_retry().await,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// `pg_current_wal_insert_lsn()`.
+pub async fn wal_insert_lsn(pg: &Client) -> Lsn {
+    let s: String = pg
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    s.parse().unwrap()
+}
+
+/// Walsenders of relays: `(pid, client_port)` of every `pg_stat_replication`
+/// row with `application_name = 'outbox-relay'`.
+pub async fn relay_walsenders(pg: &Client) -> Vec<(i32, Option<i32>)> {
+    pg.query(
+        "SELECT pid, client_port FROM pg_stat_replication WHERE application_name = 'outbox-relay'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}
+
+/// Which of `pids` owns the TCP socket whose local port is `port` (the
+/// client end of a connection, as `pg_stat_replication.client_port` shows
+/// it): matches the socket inode in /proc/net/tcp* with /proc/PID/fd.
+pub fn socket_owner(pids: &[u32], port: u16) -> Option<u32> {
+    let mut inodes = HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let local_port = cols
+                .get(1)
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            if let (Some(p), Some(inode)) = (local_port, cols.get(9)) {
+                if p == port {
+                    inodes.insert(format!("socket:[{inode}]"));
+                }
+            }
+        }
+    }
+    pids.iter().copied().find(|pid| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|dir| {
+                dir.flatten().any(|fd| {
+                    std::fs::read_link(fd.path())
+                        .map(|l| inodes.contains(&l.to_string_lossy().into_owned()))
+                        .unwrap_or(false)
+                })
+            })
+            .unwrap_or(false)
+    })
+}
+
+/// Runs a blocking server control command off the async worker threads.
+pub async fn ctl_async(f: fn(&[&str]), args: &'static [&'static str]) {
+    tokio::task::spawn_blocking(move || f(args))
+        .await
+        .expect("server control command panicked");
+}
+
+impl Relay {
+    /// The whole log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Panics, with the log, if the process has exited.
+    pub fn assert_running(&mut self, context: &str) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            panic!(
+                "relay exited ({status}) {context}; it should have reconnected; log:\n{}",
+                self.log_tail()
+            );
+        }
+    }
+}
+
+/// Small deterministic PRNG (xorshift64*), so a seed replays a schedule.
+#[derive(Debug, Clone)]
+pub struct XorShift(u64);
+
+impl XorShift {
+    pub fn new(seed: u64) -> Self {
+        // splitmix64 of the seed: any seed, 0 included, gives a good state.
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        XorShift((z ^ (z >> 31)) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    /// Uniform duration in `lo_ms..hi_ms` milliseconds.
+    pub fn millis(&mut self, lo_ms: u64, hi_ms: u64) -> Duration {
+        Duration::from_millis(lo_ms + self.below(hi_ms - lo_ms))
+    }
+}
+
+/// An outbox event as its producer knows it.
+#[derive(Debug, Clone)]
+pub struct Produced {
+    pub id: String,
+    pub aggregate: String,
+    /// Per-aggregate sequence number (also in the payload as `seq`).
+    pub seq: u64,
+}
+
+/// What a producer did.
+#[derive(Debug, Default)]
+pub struct ProducerReport {
+    /// Events of transactions whose COMMIT returned Ok, in commit order.
+    pub committed: Vec<Produced>,
+    /// Events of transactions that certainly did not commit: rolled back on
+    /// purpose, or cut off before COMMIT was sent.
+    pub rolled_back: Vec<String>,
+    /// Events of transactions whose COMMIT was sent but did not return Ok
+    /// (connection lost): they may or may not have committed.
+    pub in_doubt: Vec<Produced>,
+    pub committed_txs: usize,
+    pub rolled_back_txs: usize,
+    pub failed_txs: usize,
+    /// `pg_current_wal_insert_lsn()` right after the last COMMIT that
+    /// returned Ok; `None` if there was none, or if that query failed (then
+    /// the caller must use a later position).
+    pub last_commit_lsn: Option<Lsn>,
+}
+
+/// How a producer behaves.
+#[derive(Debug, Clone)]
+pub struct ProducerSpec {
+    /// Aggregate ids are `{name}-{k}` for `k` in `0..aggregates`. No other
+    /// producer writes them and a producer's transactions are sequential, so
+    /// per aggregate, sequence order is commit order.
+    pub name: String,
+    pub aggregates: u64,
+    /// Events per transaction: uniform in `1..=max_events_per_tx`.
+    pub max_events_per_tx: u64,
+    /// Roll back about one transaction in this many (0: never).
+    pub rollback_one_in: u64,
+    /// Pause between transactions.
+    pub pause: Duration,
+    pub seed: u64,
+}
+
+impl ProducerSpec {
+    pub fn new(name: &str, seed: u64) -> Self {
+        ProducerSpec {
+            name: name.to_owned(),
+            aggregates: 4,
+            max_events_per_tx: 3,
+            rollback_one_in: 0,
+            pause: Duration::from_millis(10),
+            seed,
+        }
+    }
+}
+
+/// Commits transactions into the outbox until `stop` is set, reconnecting
+/// whenever PostgreSQL goes away. A transaction counts as committed only
+/// when COMMIT returned Ok. `synchronous_commit = on` for these sessions
+/// (the harness turns it off server-wide): a COMMIT that returned Ok is then
+/// in the WAL on disk and survives even an immediate shutdown, so a missing
+/// event is the relay's fault, not an asynchronous commit the crash ate.
+pub fn spawn_producer(
+    fx: &Fixture,
+    spec: ProducerSpec,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<ProducerReport> {
+    const OP_TIMEOUT: Duration = Duration::from_secs(20);
+    let sql = fx.insert_sql();
+    tokio::spawn(async move {
+        let mut rng = XorShift::new(spec.seed);
+        let mut report = ProducerReport::default();
+        let mut seqs = vec![0u64; spec.aggregates as usize];
+        let mut conn: Option<(Client, tokio_postgres::Statement)> = None;
+        while !stop.load(Ordering::SeqCst) {
+            let (pg, stmt) = match &conn {
+                Some(c) => c,
+                None => {
+                    let pg = pg_connect_retry().await;
+                    let prepared = async {
+                        pg.batch_execute("SET synchronous_commit = on").await?;
+                        pg.prepare(&sql).await
+                    }
+                    .await;
+                    match prepared {
+                        Ok(stmt) => conn.insert((pg, stmt)),
+                        Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            continue;
+                        }
+                    }
+                }
+            };
+            let n = 1 + rng.below(spec.max_events_per_tx);
+            let mut events: Vec<Produced> = (0..n)
+                .map(|_| {
+                    let k = rng.below(spec.aggregates) as usize;
+                    seqs[k] += 1;
+                    Produced {
+                        id: String::new(),
+                        aggregate: format!("{}-{k}", spec.name),
+                        seq: seqs[k],
+                    }
+                })
+                .collect();
+            let rollback = spec.rollback_one_in > 0 && rng.below(spec.rollback_one_in) == 0;
+
+            // BEGIN and the INSERTs. A failure here means COMMIT was never
+            // sent: the transaction cannot have committed.
+            let body = tokio::time::timeout(OP_TIMEOUT, async {
+                pg.batch_execute("BEGIN").await?;
+                for e in events.iter_mut() {
+                    let payload = serde_json::json!({
+                        "producer": spec.name, "aggregate": e.aggregate, "seq": e.seq,
+                    });
+                    let row = pg
+                        .query_one(
+                            stmt,
+                            &[&"order", &e.aggregate, &"placed", &payload.to_string()],
+                        )
+                        .await?;
+                    e.id = row.get(0);
+                }
+                Ok::<_, tokio_postgres::Error>(())
+            })
+            .await;
+            let ids = || events.iter().filter(|e| !e.id.is_empty()).map(|e| e.id.clone());
+            if !matches!(body, Ok(Ok(()))) {
+                report.rolled_back.extend(ids());
+                report.failed_txs += 1;
+                conn = None;
+                continue;
+            }
+            if rollback {
+                report.rolled_back.extend(ids());
+                report.rolled_back_txs += 1;
+                if !matches!(
+                    tokio::time::timeout(OP_TIMEOUT, pg.batch_execute("ROLLBACK")).await,
+                    Ok(Ok(()))
+                ) {
+                    conn = None;
+                }
+            } else {
+                match tokio::time::timeout(OP_TIMEOUT, pg.batch_execute("COMMIT")).await {
+                    Ok(Ok(())) => {
+                        report.committed.extend(events);
+                        report.committed_txs += 1;
+                        report.last_commit_lsn =
+                            match tokio::time::timeout(OP_TIMEOUT, pg.query_one("SELECT pg_current_wal_insert_lsn()::text", &[])).await {
+                                Ok(Ok(row)) => Some(row.get::<_, String>(0).parse().unwrap()),
+                                _ => {
+                                    conn = None;
+                                    None
+                                }
+                            };
+                    }
+                    _ => {
+                        report.in_doubt.extend(events);
+                        report.failed_txs += 1;
+                        conn = None;
+                    }
+                }
+            }
+            tokio::time::sleep(spec.pause).await;
+        }
+        report
+    })
+}
+
+/// Checks deliveries against what producers did: every committed event
+/// delivered, nothing rolled back delivered, nothing unknown delivered
+/// (in-doubt events may or may not arrive). Returns the duplicate count.
+pub fn check_deliveries(reports: &[&ProducerReport], got: &[Received]) -> usize {
+    let counts = count_by_id(got);
+    let committed: Vec<&Produced> = reports.iter().flat_map(|r| &r.committed).collect();
+    let missing: Vec<&str> = committed
+        .iter()
+        .filter(|e| !counts.contains_key(&e.id))
+        .map(|e| e.id.as_str())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} committed events never arrived, e.g. {:?}",
+        missing.len(),
+        committed.len(),
+        &missing[..missing.len().min(5)]
+    );
+    let rolled_back: HashSet<&String> = reports.iter().flat_map(|r| &r.rolled_back).collect();
+    let leaked: Vec<&String> = counts.keys().filter(|id| rolled_back.contains(id)).collect();
+    assert!(
+        leaked.is_empty(),
+        "{} events of transactions that never committed were delivered, e.g. {:?}",
+        leaked.len(),
+        &leaked[..leaked.len().min(5)]
+    );
+    let known: HashSet<&String> = reports
+        .iter()
+        .flat_map(|r| r.committed.iter().chain(&r.in_doubt))
+        .map(|e| &e.id)
+        .collect();
+    let unknown: Vec<&String> = counts.keys().filter(|id| !known.contains(id)).collect();
+    assert!(
+        unknown.is_empty(),
+        "{} deliveries of events no producer wrote, e.g. {:?}",
+        unknown.len(),
+        &unknown[..unknown.len().min(5)]
+    );
+    counts.values().map(|c| c - 1).sum()
+}

@@ -1,0 +1,17 @@
+-- checkpoint.sql: the table where outbox-relay records its progress.
+--
+-- What: one row per replication slot: the confirmed LSN, the commit time of
+-- the newest transaction the broker confirmed, and when the row was written.
+-- The relay writes it at most once a second, only when a new transaction has
+-- become durable. `outbox-relay status` shows it; `outbox-relay recover` uses
+-- last_commit_time to re-publish outbox rows when the slot itself was lost.
+-- When: `outbox-relay setup` creates it; run this by hand only if setup runs
+-- without the privilege to create tables.
+-- As whom: the owner of the outbox table (or a superuser); then grant the
+-- relay's role the right to write it (see role.sql).
+CREATE TABLE IF NOT EXISTS public.outbox_relay_checkpoint (
+  slot_name        text PRIMARY KEY,
+  confirmed_lsn    pg_lsn NOT NULL,
+  last_commit_time timestamptz,
+  written_at       timestamptz NOT NULL DEFAULT now()
+);

@@ -1,0 +1,392 @@
+//! The publishing loop: takes BEGIN / event / COMMIT / keepalive items in WAL
+//! order, publishes within the confirm window, retries returns and nacks,
+//! dead-letters what can never be delivered, and moves the watermark.
+//!
+//! Every message keeps its checkpoint sequence number through retries and
+//! dead-lettering, so its transaction becomes durable only once the broker
+//! took *some* copy of it: on its exchange, or on the dead-letter exchange.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use lapin::PublisherConfirm;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use super::{AmqpSink, SinkError, check_confirmation};
+use crate::checkpoint::{Checkpoint, Seq};
+use crate::config::RabbitmqConfig;
+use crate::lsn::Lsn;
+use crate::message::{Envelope, dead_letter_unrenderable, render};
+use crate::metrics::{Metrics, Outcome, ReasonLabel, RetryReason};
+use crate::outbox::OutboxEvent;
+use crate::relay::RelayError;
+
+/// One item from source to sink, in WAL order.
+#[derive(Debug)]
+pub enum SinkItem {
+    /// A transaction begins (commit time, µs since the Unix epoch).
+    Begin {
+        /// Commit time.
+        commit_time_us: i64,
+    },
+    /// An outbox INSERT of the open transaction.
+    Event(OutboxEvent),
+    /// The open transaction committed, ending at `end_lsn`.
+    Commit {
+        /// End of the commit record.
+        end_lsn: Lsn,
+    },
+    /// The server has sent everything up to `wal_end`.
+    Keepalive {
+        /// Server's WAL position.
+        wal_end: Lsn,
+    },
+}
+
+/// The durable position and the commit time of the transaction that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Safe to report as flushed.
+    pub lsn: Lsn,
+    /// Commit time (µs since the Unix epoch) of the newest durable
+    /// transaction, if any in this session.
+    pub commit_time_us: Option<i64>,
+}
+
+/// A message on its way: what to re-publish if it comes back.
+struct InFlight {
+    seq: Seq,
+    env: Envelope,
+    /// Publishes so far, this one included.
+    attempts: u32,
+    /// This copy goes to the dead-letter exchange.
+    dead_letter: bool,
+    published_at: Instant,
+}
+
+async fn wait_confirm(
+    f: InFlight,
+    confirm: PublisherConfirm,
+    timeout: Duration,
+) -> (InFlight, Result<(), SinkError>) {
+    let res = match tokio::time::timeout(timeout, confirm).await {
+        Err(_) => Err(SinkError::ConfirmTimeout {
+            id: f.env.id.clone(),
+            secs: timeout.as_secs(),
+        }),
+        Ok(Err(source)) => Err(SinkError::Amqp {
+            what: "waiting for a publisher confirm",
+            url: String::from("broker connection"),
+            source,
+        }),
+        Ok(Ok(c)) => check_confirmation(
+            &f.env.id,
+            f.env.exchange.as_str(),
+            f.env.routing_key.as_str(),
+            c,
+        ),
+    };
+    (f, res)
+}
+
+async fn after(delay: Duration, f: InFlight) -> InFlight {
+    tokio::time::sleep(delay).await;
+    f
+}
+
+/// Delay before publish number `attempts + 1` of a message: doubling from
+/// the configured base, capped at 30 s.
+fn retry_delay(base: Duration, attempts: u32) -> Duration {
+    base.saturating_mul(1u32 << attempts.saturating_sub(1).min(16))
+        .min(Duration::from_secs(30))
+}
+
+/// The loop's state.
+struct Publisher<'a> {
+    sink: &'a AmqpSink,
+    cfg: &'a RabbitmqConfig,
+    metrics: &'a Metrics,
+    cp: Checkpoint,
+    watermark: &'a watch::Sender<Progress>,
+}
+
+impl Publisher<'_> {
+    fn advance(&self, lsn: Option<Lsn>) {
+        if let Some(lsn) = lsn {
+            self.metrics.confirmed_lsn.set(lsn.0);
+            self.watermark.send_replace(Progress {
+                lsn,
+                commit_time_us: self.cp.confirmed_commit_time_us(),
+            });
+        }
+    }
+
+    async fn publish(&self, f: InFlight) -> Result<(InFlight, PublisherConfirm), RelayError> {
+        let confirm = self.sink.publish(&f.env).await?;
+        Ok((
+            InFlight {
+                published_at: Instant::now(),
+                ..f
+            },
+            confirm,
+        ))
+    }
+
+    /// The copy for the dead-letter exchange, or the error that stops the
+    /// relay when there is none.
+    fn dead_letter(
+        &self,
+        seq: Seq,
+        env: Envelope,
+        reason: &str,
+        attempts: u32,
+    ) -> Result<InFlight, RelayError> {
+        let Some(dlx) = &self.cfg.dead_letter_exchange else {
+            error!(event_id = %env.id, reason, "undeliverable event and no dead-letter exchange; stopping");
+            return Err(RelayError::Undeliverable {
+                id: env.id,
+                reason: reason.to_owned(),
+            });
+        };
+        error!(event_id = %env.id, reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
+        Ok(InFlight {
+            seq,
+            env: env.dead_letter(dlx, reason, attempts),
+            attempts: 0,
+            dead_letter: true,
+            published_at: Instant::now(),
+        })
+    }
+
+    /// A new event: render, check size, publish (or dead-letter).
+    fn prepare(&mut self, ev: OutboxEvent) -> Result<InFlight, RelayError> {
+        let seq = self.cp.publish()?;
+        let env = match render(&ev) {
+            Ok(env) => env,
+            Err(e) => {
+                let Some(dlx) = &self.cfg.dead_letter_exchange else {
+                    error!(error = %e, "undeliverable event and no dead-letter exchange; stopping");
+                    return Err(RelayError::Render(e));
+                };
+                let dl = dead_letter_unrenderable(&ev, &e, dlx);
+                error!(event_id = %dl.id, reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
+                return Ok(InFlight {
+                    seq,
+                    env: dl,
+                    attempts: 0,
+                    dead_letter: true,
+                    published_at: Instant::now(),
+                });
+            }
+        };
+        if env.body.len() > self.cfg.max_message_bytes {
+            let limit = self.cfg.max_message_bytes;
+            let Some(dlx) = &self.cfg.dead_letter_exchange else {
+                return Err(RelayError::Undeliverable {
+                    id: env.id,
+                    reason: format!(
+                        "body of {} bytes exceeds rabbitmq.max_message_bytes ({limit})",
+                        env.body.len()
+                    ),
+                });
+            };
+            error!(event_id = %env.id, bytes = env.body.len(), limit, "dead-lettering oversized event");
+            return Ok(InFlight {
+                seq,
+                env: env.dead_letter_oversized(dlx, limit),
+                attempts: 0,
+                dead_letter: true,
+                published_at: Instant::now(),
+            });
+        }
+        Ok(InFlight {
+            seq,
+            env,
+            attempts: 0,
+            dead_letter: false,
+            published_at: Instant::now(),
+        })
+    }
+
+    /// The broker answered `f`. Returns what to publish again, and when.
+    fn settle(
+        &mut self,
+        mut f: InFlight,
+        res: Result<(), SinkError>,
+    ) -> Result<Option<(Duration, InFlight)>, RelayError> {
+        match res {
+            Ok(()) => {
+                self.metrics
+                    .confirm_latency
+                    .observe(f.published_at.elapsed().as_secs_f64());
+                if f.dead_letter {
+                    self.metrics.event(Outcome::dead_lettered);
+                } else {
+                    self.metrics.event(Outcome::published);
+                    self.metrics.published_bytes.inc_by(f.env.body.len() as u64);
+                }
+                let moved = self.cp.confirm(f.seq)?;
+                self.advance(moved);
+                Ok(None)
+            }
+            Err(SinkError::Returned { reply, .. }) if f.dead_letter => {
+                Err(SinkError::DeadLetterRefused {
+                    id: f.env.id,
+                    exchange: f.env.exchange.to_string(),
+                    reason: reply,
+                }
+                .into())
+            }
+            Err(SinkError::Returned {
+                reply,
+                exchange,
+                routing_key,
+                ..
+            }) => {
+                f.attempts += 1;
+                if f.attempts >= self.cfg.unroutable_attempts {
+                    let reason = format!(
+                        "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({reply}) after {} attempts",
+                        f.attempts
+                    );
+                    let dl = self.dead_letter(f.seq, f.env, &reason, f.attempts)?;
+                    return Ok(Some((Duration::ZERO, dl)));
+                }
+                self.metrics
+                    .retries
+                    .get_or_create(&ReasonLabel {
+                        reason: RetryReason::returned,
+                    })
+                    .inc();
+                let delay = retry_delay(self.cfg.retry_backoff, f.attempts);
+                warn!(event_id = %f.env.id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, %exchange, %routing_key, "unroutable; will publish again");
+                Ok(Some((delay, f)))
+            }
+            Err(SinkError::Nacked { .. }) => {
+                f.attempts += 1;
+                self.metrics
+                    .retries
+                    .get_or_create(&ReasonLabel {
+                        reason: RetryReason::nacked,
+                    })
+                    .inc();
+                let delay = retry_delay(self.cfg.retry_backoff, f.attempts);
+                warn!(event_id = %f.env.id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
+                Ok(Some((delay, f)))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics.in_flight.set(self.cp.in_flight() as i64);
+        let lag = self.cp.oldest_pending_commit_time_us().map_or(0.0, |t| {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as i64);
+            ((now - t) as f64 / 1e6).max(0.0)
+        });
+        self.metrics.lag_seconds.set(lag);
+    }
+}
+
+/// Runs until `items` closes and every message is settled (or the shutdown
+/// grace period ends), or until a failure.
+pub async fn run(
+    sink: &AmqpSink,
+    mut items: mpsc::Receiver<SinkItem>,
+    watermark: &watch::Sender<Progress>,
+    cfg: &RabbitmqConfig,
+    start: Lsn,
+    metrics: &Metrics,
+) -> Result<(), RelayError> {
+    let mut p = Publisher {
+        sink,
+        cfg,
+        metrics,
+        cp: Checkpoint::new(start),
+        watermark,
+    };
+    let mut confirms = FuturesUnordered::new();
+    let mut retries = FuturesUnordered::new();
+    let window = cfg.window as u64;
+    let mut open = true;
+    let mut drain_deadline: Option<Instant> = None;
+    let mut blocked_logged = false;
+    let mut gauges = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        if !open && p.cp.in_flight() == 0 {
+            return Ok(());
+        }
+        let blocked = sink.is_blocked();
+        if blocked != blocked_logged {
+            if blocked {
+                warn!("broker blocked publishing (resource alarm); pausing WAL reading");
+            } else {
+                info!("broker unblocked publishing; resuming");
+            }
+            metrics.blocked.set(i64::from(blocked));
+            blocked_logged = blocked;
+        }
+        // Priorities: broker answers first (they free the window and move
+        // the watermark), then due retries, then new WAL.
+        tokio::select! {
+            biased;
+            Some((f, res)) = confirms.next(), if !confirms.is_empty() => {
+                if let Some((delay, f)) = p.settle(f, res)? {
+                    retries.push(after(delay, f));
+                }
+            }
+            Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
+                let (f, confirm) = p.publish(f).await?;
+                confirms.push(wait_confirm(f, confirm, cfg.confirm_timeout));
+            }
+            item = items.recv(), if open && !blocked && p.cp.in_flight() < window => match item {
+                None => {
+                    open = false;
+                    drain_deadline = Some(Instant::now() + cfg.shutdown_grace);
+                    if p.cp.in_flight() > 0 {
+                        info!(in_flight = p.cp.in_flight(), grace_secs = cfg.shutdown_grace.as_secs(), "waiting for outstanding confirms");
+                    }
+                }
+                Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
+                Some(SinkItem::Event(ev)) => {
+                    let f = p.prepare(ev)?;
+                    let (f, confirm) = p.publish(f).await?;
+                    confirms.push(wait_confirm(f, confirm, cfg.confirm_timeout));
+                }
+                Some(SinkItem::Commit { end_lsn }) => {
+                    let moved = p.cp.commit(end_lsn)?;
+                    p.advance(moved);
+                }
+                Some(SinkItem::Keepalive { wal_end }) => {
+                    let moved = p.cp.keepalive(wal_end);
+                    p.advance(moved);
+                }
+            },
+            _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
+                warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
+                return Ok(());
+            }
+            _ = gauges.tick() => p.update_gauges(),
+            _ = tokio::time::sleep(Duration::from_millis(50)), if blocked => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_delay_doubles_and_caps() {
+        let b = Duration::from_millis(100);
+        assert_eq!(retry_delay(b, 1), Duration::from_millis(100));
+        assert_eq!(retry_delay(b, 2), Duration::from_millis(200));
+        assert_eq!(retry_delay(b, 4), Duration::from_millis(800));
+        assert_eq!(retry_delay(b, 40), Duration::from_secs(30));
+    }
+}

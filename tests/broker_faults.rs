@@ -1,0 +1,121 @@
+//! The broker goes away mid-stream, while a producer keeps committing:
+//! (a) RabbitMQ stopped and started again, (b) every connection force-closed.
+//! Every committed event arrives at least once (duplicates counted), and the
+//! relay process survives: it reconnects, it does not exit.
+//!
+//! Both faults hit the whole broker, so the two tests of this binary take
+//! turns (`SERIAL`); cargo runs test binaries one after another.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    StopStart,
+    CloseAllConnections,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_stop_start_mid_stream_loses_nothing() {
+    broker_fault_mid_stream("brkstop", Fault::StopStart).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_closes_all_connections_mid_stream_loses_nothing() {
+    broker_fault_mid_stream("brkclose", Fault::CloseAllConnections).await;
+}
+
+async fn broker_fault_mid_stream(name: &str, fault: Fault) {
+    let _turn = SERIAL.lock().await;
+    let started = Instant::now();
+    let mut fx = Fixture::new(name).await;
+    // The test's own consumer connection dies with the fault too; this one
+    // comes back by itself.
+    let subscriptions = fx.start_reconnecting_consumer().await;
+    let mut relay = fx.spawn_relay();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 1), stop.clone());
+
+    // Deliveries flowing first, so that the fault lands mid-stream.
+    let mut all = Vec::new();
+    fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
+        .await;
+
+    let fault_at = Instant::now();
+    match fault {
+        Fault::StopStart => {
+            ctl_async(rabbitmq_ctl, &["stop"]).await;
+            // Stay down long enough for the relay to fail reconnects and back
+            // off at least once.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            ctl_async(rabbitmq_ctl, &["start"]).await;
+        }
+        Fault::CloseAllConnections => {
+            ctl_async(
+                rabbitmq_ctl,
+                &["ctl", "close_all_connections", "test: failure injection"],
+            )
+            .await;
+        }
+    }
+    let fault_secs = fault_at.elapsed().as_secs_f64();
+    relay.assert_running("right after the broker fault");
+
+    // Keep committing for a while with the broker back, then stop.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let report = producer.await.unwrap();
+    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
+    let drained_at = Instant::now();
+    fx.collect_rest(
+        &mut all,
+        &ids,
+        Duration::from_secs(90),
+        Duration::from_secs(1),
+        Some(&relay),
+    )
+    .await;
+    let catch_up_secs = drained_at.elapsed().as_secs_f64();
+
+    let duplicates = check_deliveries(&[&report], &all);
+    relay.assert_running("after the broker came back");
+    // The fault really reached the relay: it ended a session and reconnected.
+    let log = relay.log_text();
+    assert!(
+        log.contains("reconnecting"),
+        "the relay never noticed the broker fault; log:\n{}",
+        relay.log_tail()
+    );
+    let sessions = log.matches("streaming from LSN").count();
+    assert!(
+        sessions >= 2,
+        "expected a new session after the fault, saw {sessions}"
+    );
+    assert!(
+        subscriptions.load(Ordering::SeqCst) >= 2,
+        "the test consumer was never cut off: did the fault happen?"
+    );
+    println!(
+        "broker fault {fault:?}: {} committed events in {} txs, {} deliveries, {duplicates} duplicates; \
+         fault took {fault_secs:.1}s, catch-up after producer stop {catch_up_secs:.1}s, \
+         relay sessions {sessions}, consumer subscriptions {}, test wall time {:.1}s",
+        ids.len(),
+        report.committed_txs,
+        all.len(),
+        subscriptions.load(Ordering::SeqCst),
+        started.elapsed().as_secs_f64()
+    );
+
+    let (status, _) = relay.sigterm();
+    assert!(status.success(), "relay exit status after SIGTERM: {status}");
+    fx.refresh_amqp().await;
+    fx.cleanup().await;
+}
