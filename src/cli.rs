@@ -43,6 +43,39 @@ pub enum Command {
     Run(ConfigArg),
     /// Create the publication and the replication slot (idempotent).
     Setup(ConfigArg),
+    /// After a lost slot: recreate it and re-publish the outbox rows written
+    /// since the last checkpoint.
+    Recover {
+        /// Config file.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only show what would be re-published.
+        #[arg(long)]
+        dry_run: bool,
+        /// Seconds before the checkpoint's commit time to start from, to
+        /// cover rows created earlier but committed later.
+        #[arg(long, default_value_t = 60)]
+        overlap_secs: u64,
+    },
+    /// Re-send chosen outbox rows on purpose (same message ids).
+    Republish {
+        /// Config file.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Event id to re-send (repeatable).
+        #[arg(
+            long = "id",
+            required_unless_present = "since",
+            conflicts_with = "since"
+        )]
+        ids: Vec<String>,
+        /// Re-send rows created at or after this time (e.g. 2026-11-29T10:00:00Z).
+        #[arg(long)]
+        since: Option<String>,
+        /// With --since: only rows created before this time.
+        #[arg(long, requires = "since")]
+        until: Option<String>,
+    },
     /// Show the slot's position, retained WAL and activity.
     Status {
         /// Config file.
@@ -66,7 +99,11 @@ impl Command {
     /// The config file argument.
     pub fn config_path(&self) -> &std::path::Path {
         match self {
-            Command::Run(c) | Command::Setup(c) | Command::Status { config: c, .. } => &c.config,
+            Command::Run(c)
+            | Command::Setup(c)
+            | Command::Status { config: c, .. }
+            | Command::Recover { config: c, .. }
+            | Command::Republish { config: c, .. } => &c.config,
         }
     }
 }
@@ -123,23 +160,31 @@ pub struct Status {
     pub active_pid: Option<i32>,
     /// Whether a walsender is streaming from it.
     pub active: bool,
+    /// `safe_wal_size`: bytes that can still be written before the slot is
+    /// in danger of losing WAL (null when unlimited).
+    pub safe_wal_size: Option<i64>,
+    /// The relay's recorded checkpoint, if any.
+    pub checkpoint: Option<crate::source::checkpoint_table::Recorded>,
 }
 
 /// `status`.
 pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
     let client = connect_sql(&cfg.postgres).await?;
     let info = slot::slot_info(&client, cfg).await?;
-    let retained: Option<i64> = match &info {
-        Some(_) => client
-            .query_one(
-                "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
-                &[&cfg.postgres.slot],
-            )
-            .await
-            .map_err(sql_err(&cfg.postgres, "measuring retained WAL"))?
-            .get(0),
-        None => None,
+    let (retained, safe_wal_size): (Option<i64>, Option<i64>) = match &info {
+        Some(_) => {
+            let row = client
+                .query_one(
+                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint, safe_wal_size FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&cfg.postgres.slot],
+                )
+                .await
+                .map_err(sql_err(&cfg.postgres, "measuring retained WAL"))?;
+            (row.get(0), row.get(1))
+        }
+        None => (None, None),
     };
+    let checkpoint = crate::source::checkpoint_table::read(&client, cfg).await?;
     let s = Status {
         slot: cfg.postgres.slot.clone(),
         exists: info.is_some(),
@@ -155,6 +200,8 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
         wal_status: info.as_ref().and_then(|i| i.wal_status.clone()),
         active_pid: info.as_ref().and_then(|i| i.active_pid),
         active: info.as_ref().is_some_and(|i| i.active_pid.is_some()),
+        safe_wal_size,
+        checkpoint,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
@@ -176,6 +223,76 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
             s.active_pid
                 .map_or("no".into(), |p| format!("yes (pid {p})"))
         );
+        println!(
+            "safe_wal_size        {}",
+            s.safe_wal_size
+                .map_or("unlimited".into(), |b| format!("{b} bytes"))
+        );
+        match &s.checkpoint {
+            Some(c) => println!(
+                "checkpoint           {} at commit {} (written {:.0} s ago)",
+                c.confirmed_lsn,
+                c.last_commit_time.as_deref().unwrap_or("-"),
+                c.age_seconds
+            ),
+            None => println!("checkpoint           none recorded"),
+        }
     }
+    Ok(())
+}
+
+/// `recover`.
+pub async fn recover(cfg: &Config, dry_run: bool, overlap_secs: u64) -> Result<(), RelayError> {
+    use crate::recover::RecoverOutcome;
+    match crate::recover::recover(cfg, dry_run, overlap_secs).await? {
+        RecoverOutcome::Healthy(info) => println!(
+            "slot {} is healthy (wal_status {}); nothing to recover",
+            cfg.postgres.slot,
+            info.wal_status.unwrap_or_else(|| "-".into())
+        ),
+        RecoverOutcome::Republished {
+            since,
+            rows,
+            first_last,
+            dry_run,
+        } => {
+            let verb = if dry_run {
+                "would re-publish"
+            } else {
+                "re-published"
+            };
+            println!("{verb} {rows} outbox rows created since {since}");
+            if let Some((first, last)) = first_last {
+                println!("first {first}, last {last}");
+            }
+            if dry_run {
+                println!("(dry run: slot not recreated, nothing published)");
+            } else {
+                println!(
+                    "slot {} recreated; start `outbox-relay run`",
+                    cfg.postgres.slot
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `republish`.
+pub async fn republish(cfg: &Config, sel: crate::recover::Selection) -> Result<(), RelayError> {
+    let client = connect_sql(&cfg.postgres).await?;
+    let events = crate::recover::select_events(&client, cfg, &sel).await?;
+    if let crate::recover::Selection::Ids(ids) = &sel {
+        if events.len() < ids.len() {
+            eprintln!(
+                "outbox-relay: {} of {} ids not found in {}",
+                ids.len() - events.len(),
+                ids.len(),
+                cfg.outbox.table
+            );
+        }
+    }
+    let n = crate::recover::publish_all(cfg, &events).await?;
+    println!("re-published {n} events");
     Ok(())
 }

@@ -42,6 +42,7 @@ pub mod message;
 pub mod metrics;
 pub mod outbox;
 pub mod pgoutput;
+pub mod recover;
 pub mod relay;
 pub mod sink;
 pub mod source;

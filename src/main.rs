@@ -72,6 +72,25 @@ async fn main() -> ExitCode {
         Command::Run(_) => run(&cfg).await,
         Command::Setup(_) => cli::setup(&cfg).await.map_err(anyhow::Error::from),
         Command::Status { json, .. } => cli::status(&cfg, *json).await.map_err(anyhow::Error::from),
+        Command::Recover {
+            dry_run,
+            overlap_secs,
+            ..
+        } => cli::recover(&cfg, *dry_run, *overlap_secs)
+            .await
+            .map_err(anyhow::Error::from),
+        Command::Republish {
+            ids, since, until, ..
+        } => {
+            let sel = match since {
+                Some(since) => outbox_relay::recover::Selection::Since {
+                    since: since.clone(),
+                    until: until.clone(),
+                },
+                None => outbox_relay::recover::Selection::Ids(ids.clone()),
+            };
+            cli::republish(&cfg, sel).await.map_err(anyhow::Error::from)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

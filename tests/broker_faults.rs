@@ -115,7 +115,10 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
     );
 
     let (status, _) = relay.sigterm();
-    assert!(status.success(), "relay exit status after SIGTERM: {status}");
+    assert!(
+        status.success(),
+        "relay exit status after SIGTERM: {status}"
+    );
     fx.refresh_amqp().await;
     fx.cleanup().await;
 }

@@ -52,7 +52,9 @@ pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceErr
     let slot = &cfg.postgres.slot;
     let info = slot_info(client, cfg).await?.ok_or_else(|| {
         SourceError::Setup(format!(
-            "replication slot {slot:?} does not exist (postgres.slot); create it with `outbox-relay setup`"
+            "replication slot {slot:?} does not exist (postgres.slot): on a first start, create it with \
+             `outbox-relay setup`; if it existed and was dropped, run `outbox-relay recover` to recreate it \
+             and re-publish the outbox rows written since the last checkpoint"
         ))
     })?;
     if info.plugin.as_deref() != Some("pgoutput") {
@@ -64,8 +66,9 @@ pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceErr
     if info.wal_status.as_deref() == Some("lost") {
         return Err(SourceError::Setup(format!(
             "replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed. \
-             Events committed since its last confirmed position may not be replayable from WAL; \
-             drop and recreate the slot, then re-publish from the outbox table"
+             Events committed since its last confirmed position cannot be replayed from WAL; \
+             run `outbox-relay recover` to recreate the slot and re-publish the outbox rows written since \
+             the last checkpoint (`--dry-run` shows them first)"
         )));
     }
     if let Some(pid) = info.active_pid {
@@ -169,7 +172,10 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
     client
         .batch_execute(&super::checkpoint_table::create_sql(cfg))
         .await
-        .map_err(sql_err(pg, "creating the checkpoint table (postgres.checkpoint_table)"))?;
+        .map_err(sql_err(
+            pg,
+            "creating the checkpoint table (postgres.checkpoint_table)",
+        ))?;
 
     match slot_info(client, cfg).await? {
         None => {

@@ -1074,7 +1074,12 @@ pub fn spawn_producer(
                 Ok::<_, tokio_postgres::Error>(())
             })
             .await;
-            let ids = || events.iter().filter(|e| !e.id.is_empty()).map(|e| e.id.clone());
+            let ids = || {
+                events
+                    .iter()
+                    .filter(|e| !e.id.is_empty())
+                    .map(|e| e.id.clone())
+            };
             if !matches!(body, Ok(Ok(()))) {
                 report.rolled_back.extend(ids());
                 report.failed_txs += 1;
@@ -1095,14 +1100,18 @@ pub fn spawn_producer(
                     Ok(Ok(())) => {
                         report.committed.extend(events);
                         report.committed_txs += 1;
-                        report.last_commit_lsn =
-                            match tokio::time::timeout(OP_TIMEOUT, pg.query_one("SELECT pg_current_wal_insert_lsn()::text", &[])).await {
-                                Ok(Ok(row)) => Some(row.get::<_, String>(0).parse().unwrap()),
-                                _ => {
-                                    conn = None;
-                                    None
-                                }
-                            };
+                        report.last_commit_lsn = match tokio::time::timeout(
+                            OP_TIMEOUT,
+                            pg.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]),
+                        )
+                        .await
+                        {
+                            Ok(Ok(row)) => Some(row.get::<_, String>(0).parse().unwrap()),
+                            _ => {
+                                conn = None;
+                                None
+                            }
+                        };
                     }
                     _ => {
                         report.in_doubt.extend(events);
@@ -1136,7 +1145,10 @@ pub fn check_deliveries(reports: &[&ProducerReport], got: &[Received]) -> usize 
         &missing[..missing.len().min(5)]
     );
     let rolled_back: HashSet<&String> = reports.iter().flat_map(|r| &r.rolled_back).collect();
-    let leaked: Vec<&String> = counts.keys().filter(|id| rolled_back.contains(id)).collect();
+    let leaked: Vec<&String> = counts
+        .keys()
+        .filter(|id| rolled_back.contains(id))
+        .collect();
     assert!(
         leaked.is_empty(),
         "{} events of transactions that never committed were delivered, e.g. {:?}",

@@ -1,0 +1,178 @@
+//! PostgreSQL goes away mid-stream, while a producer keeps committing:
+//! (a) the relay's walsender is terminated (`pg_terminate_backend`), several
+//! times; (b) PostgreSQL is restarted. Every committed event arrives, the
+//! relay survives, and the slot's `confirmed_flush_lsn` reaches the last
+//! commit.
+//!
+//! (b) takes the whole server down, so the two tests of this binary take
+//! turns (`SERIAL`).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_relay::lsn::Lsn;
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// How many times (a) terminates the walsender.
+const TERMINATIONS: usize = 4;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn walsender_terminated_repeatedly_loses_nothing() {
+    let _turn = SERIAL.lock().await;
+    let started = Instant::now();
+    let mut fx = Fixture::new("pgterm").await;
+    fx.start_reconnecting_consumer().await;
+    let mut relay = fx.spawn_relay();
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 2), stop.clone());
+
+    let mut all = Vec::new();
+    fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
+        .await;
+
+    let pg = pg_connect().await;
+    let mut reconnects = Vec::new();
+    for round in 0..TERMINATIONS {
+        // Mid-stream: the producer commits every few ms.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let pid = fx.terminate_walsender(&pg).await.unwrap_or_else(|| {
+            panic!(
+                "round {round}: nobody streams the slot; log:\n{}",
+                relay.log_tail()
+            )
+        });
+        let t = Instant::now();
+        // A new session of the same relay takes the slot again.
+        fx.wait_slot_active(Some(pid), Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|| {
+                panic!(
+                    "round {round}: slot not streamed again within 30 s; log:\n{}",
+                    relay.log_tail()
+                )
+            });
+        reconnects.push(t.elapsed());
+        relay.assert_running("after pg_terminate_backend of its walsender");
+    }
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::SeqCst);
+    let report = producer.await.unwrap();
+    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
+    fx.collect_rest(
+        &mut all,
+        &ids,
+        Duration::from_secs(60),
+        Duration::from_secs(1),
+        Some(&relay),
+    )
+    .await;
+    let duplicates = check_deliveries(&[&report], &all);
+    let target = report.last_commit_lsn.expect("LSN of the last commit");
+    let confirmed = fx
+        .wait_confirmed_at_least(target, Duration::from_secs(30), Some(&relay))
+        .await;
+    relay.assert_running("at the end");
+    let sessions = relay.log_text().matches("streaming from LSN").count();
+    assert!(
+        sessions > TERMINATIONS,
+        "{sessions} sessions for {TERMINATIONS} terminations"
+    );
+    println!(
+        "walsender terminated {TERMINATIONS}x: {} committed events, {} deliveries, {duplicates} duplicates; \
+         slot streamed again after {reconnects:?}; relay sessions {sessions}; \
+         confirmed_flush_lsn {confirmed} >= last commit {target}; test wall time {:.1}s",
+        ids.len(),
+        all.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let (status, _) = relay.sigterm();
+    assert!(
+        status.success(),
+        "relay exit status after SIGTERM: {status}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_restart_mid_stream_loses_nothing() {
+    let _turn = SERIAL.lock().await;
+    let started = Instant::now();
+    let mut fx = Fixture::new("pgrestart").await;
+    fx.start_reconnecting_consumer().await;
+    let mut relay = fx.spawn_relay();
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 3), stop.clone());
+
+    let mut all = Vec::new();
+    fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
+        .await;
+    let old_pid = fx.wait_slot_active(None, Duration::from_secs(5)).await;
+
+    // `restart` is a fast shutdown: PostgreSQL waits for walsenders to hand
+    // their WAL to the client before it stops (the harness falls back to an
+    // immediate stop after 30 s), so its duration tells how the relay took it.
+    let t = Instant::now();
+    ctl_async(pg_ctl, &["restart"]).await;
+    let restart_secs = t.elapsed().as_secs_f64();
+    let new_pid = fx
+        .wait_slot_active(old_pid, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|| panic!("slot not streamed again; log:\n{}", relay.log_tail()));
+    let back_secs = t.elapsed().as_secs_f64();
+    relay.assert_running("after the PostgreSQL restart");
+
+    // Keep committing with the server back (the producer reconnects).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let report = producer.await.unwrap();
+    assert!(
+        report.failed_txs > 0,
+        "the producer never noticed the restart"
+    );
+    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
+    fx.collect_rest(
+        &mut all,
+        &ids,
+        Duration::from_secs(60),
+        Duration::from_secs(1),
+        Some(&relay),
+    )
+    .await;
+    let duplicates = check_deliveries(&[&report], &all);
+    let target: Lsn = report.last_commit_lsn.expect("LSN of the last commit");
+    let confirmed = fx
+        .wait_confirmed_at_least(target, Duration::from_secs(30), Some(&relay))
+        .await;
+    relay.assert_running("at the end");
+    let in_doubt_delivered = {
+        let got = count_by_id(&all);
+        report
+            .in_doubt
+            .iter()
+            .filter(|e| got.contains_key(&e.id))
+            .count()
+    };
+    println!(
+        "PostgreSQL restart: {} committed events, {} deliveries, {duplicates} duplicates; \
+         {} in-doubt events ({in_doubt_delivered} delivered), {} failed txs; \
+         restart took {restart_secs:.1}s, slot streamed again (pid {new_pid}) after {back_secs:.1}s; \
+         confirmed_flush_lsn {confirmed} >= last commit {target}; test wall time {:.1}s",
+        ids.len(),
+        all.len(),
+        report.in_doubt.len(),
+        report.failed_txs,
+        started.elapsed().as_secs_f64()
+    );
+    let (status, _) = relay.sigterm();
+    assert!(
+        status.success(),
+        "relay exit status after SIGTERM: {status}"
+    );
+    fx.cleanup().await;
+}
