@@ -314,11 +314,18 @@ listen = "127.0.0.1:0"
 
     /// Starts consuming the test queue (no-ack; every delivery is recorded).
     pub async fn start_consumer(&mut self) {
+        let q = self.queue.clone();
+        self.consumer = Some(self.consume(&q).await);
+    }
+
+    /// Consumes `queue` (no-ack) into a channel.
+    pub async fn consume(&self, queue: &str) -> tokio::sync::mpsc::UnboundedReceiver<Received> {
         let ch = self.amqp.create_channel().await.unwrap();
+        let tag = format!("c_{}_{}", queue, COUNTER.fetch_add(1, Ordering::SeqCst));
         let mut consumer = ch
             .basic_consume(
-                self.queue.as_str().into(),
-                format!("c_{}", self.name).as_str().into(),
+                queue.into(),
+                tag.as_str().into(),
                 BasicConsumeOptions {
                     no_ack: true,
                     ..Default::default()
@@ -342,7 +349,96 @@ listen = "127.0.0.1:0"
                 }
             }
         });
-        self.consumer = Some(rx);
+        rx
+    }
+
+    /// Declares a durable topic exchange and a durable queue bound to it
+    /// with `key`; both are deleted by [`Fixture::cleanup`] when named with
+    /// the fixture's name (use [`Fixture::scoped`]).
+    pub async fn declare_bound(&self, exchange: &str, queue: Option<&str>, key: &str) {
+        let ch = self.amqp.create_channel().await.unwrap();
+        ch.exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        if let Some(queue) = queue {
+            ch.queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+            ch.queue_bind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        }
+    }
+
+    /// Re-binds the test queue to the test exchange with `key` only.
+    pub async fn rebind_queue(&self, key: &str) {
+        let ch = self.amqp.create_channel().await.unwrap();
+        ch.queue_unbind(
+            self.queue.as_str().into(),
+            self.exchange.as_str().into(),
+            "#".into(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.queue_bind(
+            self.queue.as_str().into(),
+            self.exchange.as_str().into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// A name unique to this fixture, e.g. for a dead-letter exchange.
+    pub fn scoped(&self, what: &str) -> String {
+        format!("{what}_{}", self.name)
+    }
+
+    /// Rewrites the config with extra TOML for `[rabbitmq]` and `[postgres]`.
+    pub fn set_config_extra(&self, rabbitmq_extra: &str, postgres_extra: &str) {
+        let text = self.config_text(rabbitmq_extra).replace(
+            "status_interval_ms = 200",
+            &format!("status_interval_ms = 200\n{postgres_extra}"),
+        );
+        std::fs::write(&self.config, text).unwrap();
+    }
+
+    /// Waits for the relay process to exit by itself; returns status and stderr.
+    pub fn wait_exit(relay: &mut Relay, within: Duration) -> (std::process::ExitStatus, String) {
+        let status = wait_timeout(&mut relay.child, within).unwrap_or_else(|| {
+            panic!(
+                "relay still running after {within:?}; log:\n{}",
+                relay.log_tail()
+            )
+        });
+        (
+            status,
+            std::fs::read_to_string(&relay.log).unwrap_or_default(),
+        )
     }
 
     /// Collects deliveries until `ids` have all been seen at least once (then

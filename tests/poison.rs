@@ -1,0 +1,252 @@
+//! Events that can never be delivered reach an observable terminal state: the
+//! dead-letter exchange, with headers saying why and where they were going;
+//! the stream moves on. Without a dead-letter exchange, or when it refuses
+//! too, the relay stops with a clear error and nothing is dropped.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use lapin::types::AMQPValue;
+
+async fn recv_one(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Received>,
+    what: &str,
+    relay: &Relay,
+) -> Received {
+    match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+        Ok(Some(r)) => r,
+        _ => panic!("no {what} within 30 s; relay log:\n{}", relay.log_tail()),
+    }
+}
+
+fn dl_config(fx: &Fixture, extra: &str) {
+    fx.set_config_extra(
+        &format!(
+            "dead_letter_exchange = \"{}\"\nunroutable_retries = 3\nretry_backoff_ms = 50\n{extra}",
+            fx.scoped("dlx")
+        ),
+        "",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_event_is_retried_then_dead_lettered_and_the_stream_moves_on() {
+    let mut fx = Fixture::new("unroutable").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    fx.rebind_queue("ok.#").await; // 'lost.*' routing keys now go nowhere
+    dl_config(&fx, "");
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let relay = fx.spawn_relay();
+    let pg = pg_connect().await;
+
+    let poison = fx
+        .insert(
+            &pg,
+            "lost",
+            "p1",
+            "created",
+            &serde_json::json!({"poison": true}),
+        )
+        .await;
+    let after = fx
+        .insert(
+            &pg,
+            "ok",
+            "a1",
+            "created",
+            &serde_json::json!({"after": true}),
+        )
+        .await;
+
+    let dl = recv_one(&mut dlq, "dead letter", &relay).await;
+    assert_eq!(dl.message_id(), poison);
+    assert_eq!(
+        dl.json(),
+        serde_json::json!({"poison": true}),
+        "original body"
+    );
+    assert_eq!(dl.routing_key, "lost.created");
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(
+        err.contains("unroutable") && err.contains("NO_ROUTE"),
+        "{err}"
+    );
+    assert_eq!(
+        dl.header_str("x-outbox-original-exchange").as_deref(),
+        Some(fx.exchange.as_str())
+    );
+    assert_eq!(
+        dl.header_str("x-outbox-original-routing-key").as_deref(),
+        Some("lost.created")
+    );
+    assert_eq!(
+        dl.header("x-outbox-attempts"),
+        Some(AMQPValue::LongLongInt(3))
+    );
+    assert_eq!(
+        dl.header_str("aggregate_id").as_deref(),
+        Some("p1"),
+        "original headers kept"
+    );
+
+    // The stream moved on: the next event arrived, the poison one never did.
+    let got = fx
+        .collect_until(
+            std::slice::from_ref(&after),
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            Some(&relay),
+        )
+        .await;
+    assert!(got.iter().all(|r| r.message_id() != poison));
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    assert!(
+        log.contains("dead-lettering event") && log.contains(&poison),
+        "dead letter not logged with its id"
+    );
+    assert_eq!(
+        log.matches("unroutable; will publish again").count(),
+        2,
+        "expected 2 retries before dead-lettering"
+    );
+    relay.sigterm();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn null_column_and_oversized_body_are_dead_lettered() {
+    let mut fx = Fixture::new("nullbig").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    dl_config(&fx, "max_message_bytes = 2048");
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let pg = pg_connect().await;
+    pg.batch_execute(&format!(
+        "ALTER TABLE {} ALTER COLUMN aggregate_type DROP NOT NULL",
+        fx.table
+    ))
+    .await
+    .unwrap();
+    let relay = fx.spawn_relay();
+
+    let null_id: String = pg
+        .query_one(
+            &format!(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES (NULL, 'n1', 'e', '{{\"n\": 1}}') RETURNING id::text",
+                fx.table
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let big_id = fx
+        .insert(
+            &pg,
+            "big",
+            "b1",
+            "e",
+            &serde_json::json!({"pad": "x".repeat(5000)}),
+        )
+        .await;
+    let fine = fx
+        .insert(&pg, "fine", "f1", "e", &serde_json::json!({}))
+        .await;
+
+    let mut dls = vec![recv_one(&mut dlq, "dead letter", &relay).await];
+    dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    let null_dl = dls
+        .iter()
+        .find(|r| r.message_id() == null_id)
+        .expect("NULL row dead-lettered");
+    let err = null_dl.header_str("x-outbox-error").unwrap();
+    assert!(
+        err.contains("aggregate_type") && err.contains("NULL"),
+        "{err}"
+    );
+    assert_eq!(null_dl.json(), serde_json::json!({"n": 1}));
+    let big_dl = dls
+        .iter()
+        .find(|r| r.message_id() == big_id)
+        .expect("oversized row dead-lettered");
+    assert!(big_dl.body.is_empty(), "oversized body must not be sent");
+    assert!(
+        big_dl
+            .header_str("x-outbox-error")
+            .unwrap()
+            .contains("max_message_bytes")
+    );
+    assert!(
+        matches!(big_dl.header("x-outbox-body-bytes"), Some(AMQPValue::LongLongInt(n)) if n > 5000)
+    );
+
+    fx.collect_until(
+        std::slice::from_ref(&fine),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    relay.sigterm();
+    fx.cleanup().await;
+}
+
+/// No dead-letter exchange: the relay stops, naming the event and the
+/// setting; the event is not dropped: once routable, a new relay sends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_dead_letter_exchange_the_relay_stops_and_drops_nothing() {
+    let mut fx = Fixture::new("nodlx").await;
+    fx.rebind_queue("ok.#").await;
+    fx.set_config_extra("unroutable_retries = 2\nretry_backoff_ms = 50", "");
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let mut relay = fx.spawn_relay();
+    let poison = fx
+        .insert(&pg, "lost", "p1", "created", &serde_json::json!({}))
+        .await;
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains(&poison) && log.contains("rabbitmq.dead_letter_exchange"),
+        "{log}"
+    );
+    drop(relay);
+
+    fx.rebind_queue("#").await;
+    let relay = fx.spawn_relay();
+    fx.collect_until(
+        std::slice::from_ref(&poison),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    relay.sigterm();
+    fx.cleanup().await;
+}
+
+/// The dead-letter exchange exists but routes nowhere: stop, do not drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_dead_letter_exchange_stops_the_relay() {
+    let fx = Fixture::new("dlxrefuses").await;
+    fx.declare_bound(&fx.scoped("dlx"), None, "#").await; // no queue bound
+    fx.rebind_queue("ok.#").await;
+    dl_config(&fx, "");
+    let pg = pg_connect().await;
+    let mut relay = fx.spawn_relay();
+    let poison = fx
+        .insert(&pg, "lost", "p1", "created", &serde_json::json!({}))
+        .await;
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("dead-letter exchange") && log.contains("refused") && log.contains(&poison),
+        "{log}"
+    );
+    fx.cleanup().await;
+}
