@@ -199,7 +199,16 @@ async fn session(
         metrics,
     );
     let sink_loop = async {
-        let r = publisher::run(&sink, items_rx, &wm_tx, &cfg.rabbitmq, start, metrics).await;
+        let r = publisher::run(
+            &sink,
+            items_rx,
+            &wm_tx,
+            &cfg.rabbitmq,
+            start,
+            metrics,
+            &stop,
+        )
+        .await;
         // Whatever ends the sink ends the session: stop reading WAL.
         stop.cancel();
         r
@@ -214,8 +223,15 @@ async fn session(
     stop.cancel();
     let _ = side.await;
 
-    sink_res?;
-    source_res?;
+    let res = sink_res.and(source_res);
+    match res {
+        // A transient failure while shutting down ends the drain early; the
+        // position reported is still only what was confirmed.
+        Err(e) if shutdown.is_cancelled() && e.is_transient() => {
+            warn!(error = %e, "failure while draining; unconfirmed messages will be replayed");
+        }
+        other => other?,
+    }
     info!(lsn = %confirmed, "stopped; final confirmed LSN");
     Ok(confirmed)
 }

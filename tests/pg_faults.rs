@@ -176,3 +176,105 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     );
     fx.cleanup().await;
 }
+
+/// Sends SIGCONT when dropped, so that a failing test never leaves
+/// PostgreSQL frozen for the tests after it.
+struct Frozen(u32);
+
+impl Frozen {
+    /// SIGSTOP to the postmaster: the kernel still accepts TCP connections
+    /// on its port, but nobody answers them, as with a host that hangs or a
+    /// network that drops packets. Backends already running (the test's own
+    /// connection) keep working.
+    fn postmaster() -> Frozen {
+        let dir = std::env::var("OUTBOX_IT_DIR").expect("OUTBOX_IT_DIR (source DIR/env)");
+        let pid: u32 = std::fs::read_to_string(format!("{dir}/pg/postmaster.pid"))
+            .expect("postmaster.pid")
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .expect("postmaster pid");
+        signal(pid, "STOP");
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+/// PostgreSQL stops answering new connections for 20 s while the relay has
+/// to reconnect (its walsender was terminated). That is an outage like any
+/// other: the relay must keep retrying, not exit, and stream again once the
+/// server answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_unresponsive_while_reconnecting_is_transient() {
+    const UNRESPONSIVE: Duration = Duration::from_secs(20);
+    let _turn = SERIAL.lock().await;
+    let started = Instant::now();
+    let mut fx = Fixture::new("pgfreeze").await;
+    fx.start_reconnecting_consumer().await;
+    let mut relay = fx.spawn_relay();
+    let pg = pg_connect().await;
+    let warm = fx
+        .insert(&pg, "order", "o1", "placed", &serde_json::json!({}))
+        .await;
+    let mut all = fx
+        .collect_until(
+            &[warm],
+            Duration::from_secs(30),
+            Duration::ZERO,
+            Some(&relay),
+        )
+        .await;
+    fx.wait_slot_active(None, Duration::from_secs(10))
+        .await
+        .expect("relay streaming");
+
+    let frozen = Frozen::postmaster();
+    // Through the test's existing backend: the relay must now reconnect to a
+    // server that accepts TCP connections and never answers them.
+    let terminated = fx.terminate_walsender(&pg).await;
+    let t = Instant::now();
+    let mut exited = None;
+    while t.elapsed() < UNRESPONSIVE && exited.is_none() {
+        exited = relay.child.try_wait().unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(frozen);
+    assert!(terminated.is_some(), "no walsender to terminate");
+    if let Some(status) = exited {
+        panic!(
+            "relay exited ({status}) {:.1}s into a {UNRESPONSIVE:?} PostgreSQL outage instead of retrying; log:\n{}",
+            t.elapsed().as_secs_f64(),
+            relay.log_tail()
+        );
+    }
+
+    // Server answers again: the relay streams again, new events arrive.
+    let after = fx
+        .insert(&pg, "order", "o1", "shipped", &serde_json::json!({}))
+        .await;
+    fx.collect_rest(
+        &mut all,
+        std::slice::from_ref(&after),
+        Duration::from_secs(60),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    relay.assert_running("after PostgreSQL answered again");
+    println!(
+        "PostgreSQL unresponsive {UNRESPONSIVE:?}: relay survived; new event delivered {:.1}s after the server answered again; test wall time {:.1}s",
+        t.elapsed().as_secs_f64() - UNRESPONSIVE.as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    let (status, _) = relay.sigterm();
+    assert!(
+        status.success(),
+        "relay exit status after SIGTERM: {status}"
+    );
+    fx.cleanup().await;
+}

@@ -20,7 +20,7 @@ async fn standby_takes_over_after_kill9_of_the_active_relay() {
     let mut fx = Fixture::new("takeover").await;
     fx.start_reconnecting_consumer().await;
     // Both at once: they race for the slot.
-    let mut relays = vec![Some(fx.spawn_relay()), Some(fx.spawn_relay())];
+    let mut relays = [Some(fx.spawn_relay()), Some(fx.spawn_relay())];
     let pids: Vec<u32> = relays.iter().flatten().map(|r| r.pid()).collect();
 
     let stop = Arc::new(AtomicBool::new(false));

@@ -108,8 +108,9 @@ impl SinkError {
     }
 }
 
-/// Deadline for connecting and for each control call.
-const CALL_TIMEOUT: Duration = Duration::from_secs(15);
+/// Deadline for connecting, for each control call, and for a publish while
+/// the broker is not blocking us.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 
 async fn deadline<T>(
     what: &'static str,
@@ -201,19 +202,27 @@ impl AmqpSink {
     }
 
     /// Hands one message to the broker. Returns once lapin has queued the
-    /// frames; the returned future resolves on the broker's confirm.
+    /// frames, which waits while the broker blocks the connection; the
+    /// returned future resolves on the broker's confirm. No deadline here:
+    /// the caller decides how long a blocked broker may hold it.
     pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
-        let publish = self.channel.basic_publish(
-            env.exchange.clone(),
-            env.routing_key.clone(),
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            &env.body,
-            env.properties.clone(),
-        );
-        deadline("publishing", &self.url, publish).await
+        self.channel
+            .basic_publish(
+                env.exchange.clone(),
+                env.routing_key.clone(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &env.body,
+                env.properties.clone(),
+            )
+            .await
+            .map_err(|source| SinkError::Amqp {
+                what: "publishing",
+                url: self.url.clone(),
+                source,
+            })
     }
 
     /// True while the broker has blocked publishing (resource alarm).
@@ -221,8 +230,12 @@ impl AmqpSink {
         self.conn.status().blocked()
     }
 
-    /// Closes channel and connection politely.
+    /// Closes channel and connection politely (a blocked broker would not
+    /// answer: then the connection is just dropped).
     pub async fn close(self) {
+        if self.is_blocked() {
+            return;
+        }
         let _ = tokio::time::timeout(Duration::from_secs(5), async {
             let _ = self.channel.close(200, "shutdown".into()).await;
             let _ = self.conn.close(200, "shutdown".into()).await;

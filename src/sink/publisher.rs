@@ -15,7 +15,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
-use super::{AmqpSink, SinkError, check_confirmation};
+use tokio_util::sync::CancellationToken;
+
+use super::{AmqpSink, CALL_TIMEOUT, SinkError, check_confirmation};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
@@ -124,15 +126,44 @@ impl Publisher<'_> {
         }
     }
 
-    async fn publish(&self, f: InFlight) -> Result<(InFlight, PublisherConfirm), RelayError> {
-        let confirm = self.sink.publish(&f.env).await?;
-        Ok((
-            InFlight {
-                published_at: Instant::now(),
-                ..f
-            },
-            confirm,
-        ))
+    /// Publishes `f`. While the broker blocks the connection lapin holds the
+    /// publish; that wait is not held against the call's deadline, but it
+    /// ends when shutdown's grace period does (returns `None`: stop now).
+    async fn publish(
+        &self,
+        mut f: InFlight,
+        stop: &CancellationToken,
+    ) -> Result<Option<(InFlight, PublisherConfirm)>, RelayError> {
+        let env = f.env.clone();
+        let publish = self.sink.publish(&env);
+        tokio::pin!(publish);
+        let mut unblocked_wait = Duration::ZERO;
+        let mut grace_end: Option<Instant> = None;
+        let tick = Duration::from_millis(200);
+        loop {
+            tokio::select! {
+                r = &mut publish => {
+                    let confirm = r?;
+                    f.published_at = Instant::now();
+                    return Ok(Some((f, confirm)));
+                }
+                _ = tokio::time::sleep(tick) => {
+                    if !self.sink.is_blocked() {
+                        unblocked_wait += tick;
+                        if unblocked_wait >= CALL_TIMEOUT {
+                            return Err(SinkError::Timeout("publishing").into());
+                        }
+                    }
+                    if stop.is_cancelled() {
+                        let end = *grace_end.get_or_insert_with(|| Instant::now() + self.cfg.shutdown_grace);
+                        if Instant::now() >= end {
+                            warn!(event_id = %f.env.id, "shutdown grace period over while publishing; unconfirmed messages will be replayed");
+                            return Ok(None);
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// The copy for the dead-letter exchange, or the error that stops the
@@ -302,6 +333,7 @@ pub async fn run(
     cfg: &RabbitmqConfig,
     start: Lsn,
     metrics: &Metrics,
+    stop: &CancellationToken,
 ) -> Result<(), RelayError> {
     let mut p = Publisher {
         sink,
@@ -341,7 +373,7 @@ pub async fn run(
                 }
             }
             Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
-                let (f, confirm) = p.publish(f).await?;
+                let Some((f, confirm)) = p.publish(f, stop).await? else { return Ok(()) };
                 confirms.push(wait_confirm(f, confirm, cfg.confirm_timeout));
             }
             item = items.recv(), if open && !blocked && p.cp.in_flight() < window => match item {
@@ -355,7 +387,7 @@ pub async fn run(
                 Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
                 Some(SinkItem::Event(ev)) => {
                     let f = p.prepare(ev)?;
-                    let (f, confirm) = p.publish(f).await?;
+                    let Some((f, confirm)) = p.publish(f, stop).await? else { return Ok(()) };
                     confirms.push(wait_confirm(f, confirm, cfg.confirm_timeout));
                 }
                 Some(SinkItem::Commit { end_lsn }) => {
