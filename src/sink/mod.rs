@@ -37,6 +37,9 @@ pub enum SinkError {
     /// The exchange named in the config does not exist.
     #[error("exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange")]
     NoExchange(String),
+    /// The broker connection or channel went away while idle.
+    #[error("connection to RabbitMQ lost")]
+    Disconnected,
     /// A call took longer than its deadline.
     #[error("{0} timed out")]
     Timeout(&'static str),
@@ -101,9 +104,10 @@ impl SinkError {
             SinkError::NoExchange(_)
             | SinkError::Returned { .. }
             | SinkError::DeadLetterRefused { .. } => false,
-            SinkError::Timeout(_) | SinkError::Nacked { .. } | SinkError::ConfirmTimeout { .. } => {
-                true
-            }
+            SinkError::Disconnected
+            | SinkError::Timeout(_)
+            | SinkError::Nacked { .. }
+            | SinkError::ConfirmTimeout { .. } => true,
         }
     }
 }
@@ -223,6 +227,12 @@ impl AmqpSink {
                 url: self.url.clone(),
                 source,
             })
+    }
+
+    /// False once the connection or the publishing channel is gone (closed
+    /// by the broker, network lost): the session must start over.
+    pub fn is_connected(&self) -> bool {
+        self.conn.status().connected() && self.channel.status().connected()
     }
 
     /// True while the broker has blocked publishing (resource alarm).

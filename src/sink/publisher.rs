@@ -403,7 +403,14 @@ pub async fn run(
                 warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
                 return Ok(());
             }
-            _ = gauges.tick() => p.update_gauges(),
+            _ = gauges.tick() => {
+                p.update_gauges();
+                // An idle session would not notice a dead broker connection
+                // until its next publish; readiness must not lie meanwhile.
+                if !sink.is_connected() {
+                    return Err(SinkError::Disconnected.into());
+                }
+            }
             _ = tokio::time::sleep(Duration::from_millis(50)), if blocked => {}
         }
     }

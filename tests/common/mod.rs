@@ -267,10 +267,18 @@ listen = "127.0.0.1:0"
 
     /// Starts `outbox-relay run`, logging to a file in the test's directory.
     pub fn spawn_relay(&self) -> Relay {
+        self.spawn_relay_env(&[])
+    }
+
+    /// As [`Fixture::spawn_relay`], with extra environment variables.
+    pub fn spawn_relay_env(&self, env: &[(&str, &str)]) -> Relay {
         let k = COUNTER.fetch_add(1, Ordering::SeqCst);
         let log = self.dir.path().join(format!("relay-{k}.log"));
-        let child = self
-            .relay_cmd("run")
+        let mut cmd = self.relay_cmd("run");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
             .stdout(Stdio::from(
                 std::fs::File::create(log.with_extension("out")).unwrap(),
             ))
