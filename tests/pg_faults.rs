@@ -246,11 +246,14 @@ async fn postgres_unresponsive_while_reconnecting_is_transient() {
     drop(frozen);
     assert!(terminated.is_some(), "no walsender to terminate");
     if let Some(status) = exited {
-        panic!(
+        let msg = format!(
             "relay exited ({status}) {:.1}s into a {UNRESPONSIVE:?} PostgreSQL outage instead of retrying; log:\n{}",
             t.elapsed().as_secs_f64(),
             relay.log_tail()
         );
+        // Leave no slot behind (it would retain WAL), then fail.
+        fx.cleanup().await;
+        panic!("{msg}");
     }
 
     // Server answers again: the relay streams again, new events arrive.

@@ -33,6 +33,10 @@ pub enum SourceError {
         /// pgwire-replication's error.
         source: pgwire_replication::PgWireError,
     },
+    /// The server did not answer in time (hung host, lost packets,
+    /// failover in progress): worth retrying.
+    #[error("{0} timed out")]
+    Timeout(String),
     /// The server ended the stream.
     #[error("replication stream ended by the server")]
     Ended,
@@ -76,25 +80,28 @@ impl SourceError {
                     _ => true,
                 }
             }
-            SourceError::Ended | SourceError::SlotBusy { .. } => true,
+            SourceError::Ended | SourceError::SlotBusy { .. } | SourceError::Timeout(_) => true,
             SourceError::Setup(_) | SourceError::Stream(_) => false,
         }
     }
 }
 
+/// Deadline for opening a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// Opens a SQL connection; its driver task runs until the client is dropped.
 pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
     let url = cfg.url.expose();
     let fut = tokio_postgres::connect(url, tokio_postgres::NoTls);
-    let (client, conn) = match tokio::time::timeout(Duration::from_secs(15), fut).await {
+    let (client, conn) = match tokio::time::timeout(CONNECT_TIMEOUT, fut).await {
         Ok(r) => r.map_err(|source| SourceError::Sql {
             what: "connecting to PostgreSQL".into(),
             url: redact_url(url),
             source,
         })?,
         Err(_) => {
-            return Err(SourceError::Setup(format!(
-                "connecting to PostgreSQL ({}) timed out",
+            return Err(SourceError::Timeout(format!(
+                "connecting to PostgreSQL ({})",
                 redact_url(url)
             )));
         }
@@ -172,10 +179,14 @@ pub async fn start_replication(
         .with_wakeup_interval(Duration::from_secs(10))
         .with_buffer_size(buffer_events)
         .with_application_name("outbox-relay");
-    ReplicationClient::connect(rc)
-        .await
-        .map_err(|source| SourceError::Replication {
+    match tokio::time::timeout(CONNECT_TIMEOUT, ReplicationClient::connect(rc)).await {
+        Ok(r) => r.map_err(|source| SourceError::Replication {
             url: redact_url(url),
             source,
-        })
+        }),
+        Err(_) => Err(SourceError::Timeout(format!(
+            "opening the replication connection ({})",
+            redact_url(url)
+        ))),
+    }
 }
