@@ -106,6 +106,11 @@ table = "public.outbox"
 url = "$TEST_AMQP_URL"
 exchange = "outbox"
 routing_key = "{aggregate_type}.{event_type}"
+
+[http]
+# Any free port (logged at start), so the demo never clashes with a relay
+# already listening on the default 127.0.0.1:9187.
+listen = "127.0.0.1:0"
 EOF
 echo "config: $CONFIG"
 sed 's/^/    /' "$CONFIG"
