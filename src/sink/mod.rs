@@ -229,6 +229,15 @@ impl AmqpSink {
             })
     }
 
+    /// An owned handle for publishing, so a publish can be started now and
+    /// finished later, without borrowing the sink.
+    pub fn handle(&self) -> PublishHandle {
+        PublishHandle {
+            channel: self.channel.clone(),
+            status: self.conn.status().clone(),
+        }
+    }
+
     /// False once the connection or the publishing channel is gone (closed
     /// by the broker, network lost): the session must start over.
     pub fn is_connected(&self) -> bool {
@@ -251,6 +260,43 @@ impl AmqpSink {
             let _ = self.conn.close(200, "shutdown".into()).await;
         })
         .await;
+    }
+}
+
+/// See [`AmqpSink::handle`].
+#[derive(Clone)]
+pub struct PublishHandle {
+    channel: Channel,
+    status: lapin::ConnectionStatus,
+}
+
+impl PublishHandle {
+    /// `basic.publish`, mandatory. lapin queues the frames synchronously on
+    /// the returned future's first poll; the future then resolves once they
+    /// are written, to the confirm's future.
+    pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
+        self.channel
+            .basic_publish(
+                env.exchange.clone(),
+                env.routing_key.clone(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &env.body,
+                env.properties.clone(),
+            )
+            .await
+            .map_err(|source| SinkError::Amqp {
+                what: "publishing",
+                url: String::from("broker connection"),
+                source,
+            })
+    }
+
+    /// True while the broker blocks publishing.
+    pub fn is_blocked(&self) -> bool {
+        self.status.blocked()
     }
 }
 

@@ -6,18 +6,19 @@
 //! dead-lettering, so its transaction becomes durable only once the broker
 //! took *some* copy of it: on its exchange, or on the dead-letter exchange.
 
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use lapin::PublisherConfirm;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{AmqpSink, CALL_TIMEOUT, SinkError, check_confirmation};
+use super::{AmqpSink, PublishHandle, SinkError, check_confirmation};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
@@ -69,29 +70,82 @@ struct InFlight {
     published_at: Instant,
 }
 
-async fn wait_confirm(
+/// Publishes `f` and waits for the broker's answer, as one future.
+///
+/// lapin queues a publish's frames synchronously on the first poll of
+/// `basic_publish` and then waits for its I/O loop to write them. Awaiting
+/// that write before starting the next publish costs a round trip to the I/O
+/// thread per message and halves throughput. So the caller polls this future
+/// once as soon as it is made (frames queued in WAL order), and collects the
+/// write and the confirm later, concurrently with newer messages.
+async fn deliver(
+    h: PublishHandle,
     f: InFlight,
-    confirm: PublisherConfirm,
     timeout: Duration,
 ) -> (InFlight, Result<(), SinkError>) {
-    let res = match tokio::time::timeout(timeout, confirm).await {
-        Err(_) => Err(SinkError::ConfirmTimeout {
-            id: f.env.id.clone(),
-            secs: timeout.as_secs(),
-        }),
-        Ok(Err(source)) => Err(SinkError::Amqp {
-            what: "waiting for a publisher confirm",
-            url: String::from("broker connection"),
-            source,
-        }),
-        Ok(Ok(c)) => check_confirmation(
-            &f.env.id,
-            f.env.exchange.as_str(),
-            f.env.routing_key.as_str(),
-            c,
-        ),
+    let res = {
+        let answer = async {
+            let confirm = h.publish(&f.env).await?;
+            let c = confirm.await.map_err(|source| SinkError::Amqp {
+                what: "waiting for a publisher confirm",
+                url: String::from("broker connection"),
+                source,
+            })?;
+            check_confirmation(
+                &f.env.id,
+                f.env.exchange.as_str(),
+                f.env.routing_key.as_str(),
+                c,
+            )
+        };
+        with_deadline(answer, timeout, &h, &f.env.id).await
     };
     (f, res)
+}
+
+/// `fut` must finish within `timeout`, not counting time during which the
+/// broker blocks publishing (a resource alarm is a visible, expected state,
+/// not a broken connection).
+async fn with_deadline(
+    fut: impl Future<Output = Result<(), SinkError>>,
+    timeout: Duration,
+    h: &PublishHandle,
+    id: &str,
+) -> Result<(), SinkError> {
+    tokio::pin!(fut);
+    let mut left = timeout;
+    loop {
+        let step = left.min(Duration::from_secs(1));
+        match tokio::time::timeout(step, &mut fut).await {
+            Ok(r) => return r,
+            Err(_) if h.is_blocked() => {}
+            Err(_) => {
+                left = left.saturating_sub(step);
+                if left.is_zero() {
+                    return Err(SinkError::ConfirmTimeout {
+                        id: id.to_owned(),
+                        secs: timeout.as_secs(),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Starts a delivery: polls it once, which queues its frames now, behind
+/// those of every delivery started before it. Returns its outcome if it
+/// finished at once (a dead connection), else keeps it in `pending`.
+async fn launch<F>(mut fut: F, pending: &mut FuturesUnordered<F>) -> Option<F::Output>
+where
+    F: Future + Unpin,
+{
+    match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fut).poll(cx))).await {
+        Poll::Ready(out) => Some(out),
+        Poll::Pending => {
+            pending.push(fut);
+            None
+        }
+    }
 }
 
 async fn after(delay: Duration, f: InFlight) -> InFlight {
@@ -108,7 +162,6 @@ fn retry_delay(base: Duration, attempts: u32) -> Duration {
 
 /// The loop's state.
 struct Publisher<'a> {
-    sink: &'a AmqpSink,
     cfg: &'a RabbitmqConfig,
     metrics: &'a Metrics,
     cp: Checkpoint,
@@ -123,46 +176,6 @@ impl Publisher<'_> {
                 lsn,
                 commit_time_us: self.cp.confirmed_commit_time_us(),
             });
-        }
-    }
-
-    /// Publishes `f`. While the broker blocks the connection lapin holds the
-    /// publish; that wait is not held against the call's deadline, but it
-    /// ends when shutdown's grace period does (returns `None`: stop now).
-    async fn publish(
-        &self,
-        mut f: InFlight,
-        stop: &CancellationToken,
-    ) -> Result<Option<(InFlight, PublisherConfirm)>, RelayError> {
-        let env = f.env.clone();
-        let publish = self.sink.publish(&env);
-        tokio::pin!(publish);
-        let mut unblocked_wait = Duration::ZERO;
-        let mut grace_end: Option<Instant> = None;
-        let tick = Duration::from_millis(200);
-        loop {
-            tokio::select! {
-                r = &mut publish => {
-                    let confirm = r?;
-                    f.published_at = Instant::now();
-                    return Ok(Some((f, confirm)));
-                }
-                _ = tokio::time::sleep(tick) => {
-                    if !self.sink.is_blocked() {
-                        unblocked_wait += tick;
-                        if unblocked_wait >= CALL_TIMEOUT {
-                            return Err(SinkError::Timeout("publishing").into());
-                        }
-                    }
-                    if stop.is_cancelled() {
-                        let end = *grace_end.get_or_insert_with(|| Instant::now() + self.cfg.shutdown_grace);
-                        if Instant::now() >= end {
-                            warn!(event_id = %f.env.id, "shutdown grace period over while publishing; unconfirmed messages will be replayed");
-                            return Ok(None);
-                        }
-                    }
-                }
-            }
         }
     }
 
@@ -336,12 +349,13 @@ pub async fn run(
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
     let mut p = Publisher {
-        sink,
         cfg,
         metrics,
         cp: Checkpoint::new(start),
         watermark,
     };
+    let handle = sink.handle();
+    let start = |f: InFlight| Box::pin(deliver(handle.clone(), f, cfg.confirm_timeout));
     let mut confirms = FuturesUnordered::new();
     let mut retries = FuturesUnordered::new();
     let window = cfg.window as u64;
@@ -373,8 +387,11 @@ pub async fn run(
                 }
             }
             Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
-                let Some((f, confirm)) = p.publish(f, stop).await? else { return Ok(()) };
-                confirms.push(wait_confirm(f, confirm, cfg.confirm_timeout));
+                if let Some((f, res)) = launch(start(f), &mut confirms).await {
+                    if let Some((delay, f)) = p.settle(f, res)? {
+                        retries.push(after(delay, f));
+                    }
+                }
             }
             item = items.recv(), if open && !blocked && p.cp.in_flight() < window => match item {
                 None => {
@@ -387,8 +404,11 @@ pub async fn run(
                 Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
                 Some(SinkItem::Event(ev)) => {
                     let f = p.prepare(ev)?;
-                    let Some((f, confirm)) = p.publish(f, stop).await? else { return Ok(()) };
-                    confirms.push(wait_confirm(f, confirm, cfg.confirm_timeout));
+                    if let Some((f, res)) = launch(start(f), &mut confirms).await {
+                        if let Some((delay, f)) = p.settle(f, res)? {
+                            retries.push(after(delay, f));
+                        }
+                    }
                 }
                 Some(SinkItem::Commit { end_lsn }) => {
                     let moved = p.cp.commit(end_lsn)?;
@@ -399,6 +419,16 @@ pub async fn run(
                     p.advance(moved);
                 }
             },
+            // Shutdown: take no more WAL, give outstanding confirms the grace
+            // period. (While the broker blocks us the item channel is not
+            // read, so its closing cannot be what starts the clock.)
+            _ = stop.cancelled(), if drain_deadline.is_none() => {
+                open = false;
+                drain_deadline = Some(Instant::now() + cfg.shutdown_grace);
+                if p.cp.in_flight() > 0 {
+                    info!(in_flight = p.cp.in_flight(), grace_secs = cfg.shutdown_grace.as_secs(), "waiting for outstanding confirms");
+                }
+            }
             _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
                 warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
                 return Ok(());
