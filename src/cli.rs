@@ -76,6 +76,9 @@ pub enum Command {
         #[arg(long, requires = "since")]
         until: Option<String>,
     },
+    /// Preflight: check the servers and the configuration without changing
+    /// anything; one `ok`/`warn`/`FAIL` line per check, exit 1 on any FAIL.
+    Check(ConfigArg),
     /// Show the slot's position, retained WAL and activity.
     Status {
         /// Config file.
@@ -101,6 +104,7 @@ impl Command {
         match self {
             Command::Run(c)
             | Command::Setup(c)
+            | Command::Check(c)
             | Command::Status { config: c, .. }
             | Command::Recover { config: c, .. }
             | Command::Republish { config: c, .. } => &c.config,

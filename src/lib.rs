@@ -33,6 +33,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod check;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

@@ -71,6 +71,7 @@ async fn main() -> ExitCode {
     let result: anyhow::Result<()> = match &cli.command {
         Command::Run(_) => run(&cfg).await,
         Command::Setup(_) => cli::setup(&cfg).await.map_err(anyhow::Error::from),
+        Command::Check(_) => return outbox_relay::check::run(&cfg).await,
         Command::Status { json, .. } => cli::status(&cfg, *json).await.map_err(anyhow::Error::from),
         Command::Recover {
             dry_run,

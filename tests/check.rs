@@ -1,0 +1,492 @@
+//! `outbox-relay check` against real servers: all `ok`/`warn` and exit 0 on
+//! a good set-up; exit 1 and a `FAIL` line naming the problem for each
+//! broken one; passwords never printed.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// What one `check` run printed.
+struct Checked {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Checked {
+    fn lines(&self) -> Vec<&str> {
+        self.stdout.lines().collect()
+    }
+
+    /// The `FAIL` lines.
+    fn fails(&self) -> Vec<&str> {
+        self.lines()
+            .into_iter()
+            .filter(|l| l.starts_with("FAIL "))
+            .collect()
+    }
+
+    /// Asserts exit 1 and a `FAIL` line containing every one of `words`.
+    fn assert_fails_with(&self, words: &[&str]) {
+        assert_eq!(self.code, Some(1), "{self}");
+        assert!(
+            self.fails()
+                .iter()
+                .any(|l| words.iter().all(|w| l.contains(w))),
+            "no FAIL line containing {words:?}:\n{self}"
+        );
+    }
+
+    fn assert_hides(&self, secret: &str) {
+        assert!(
+            !self.stdout.contains(secret) && !self.stderr.contains(secret),
+            "password leaked:\n{self}"
+        );
+    }
+}
+
+impl std::fmt::Display for Checked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exit {:?}\n--- stdout\n{}--- stderr\n{}",
+            self.code, self.stdout, self.stderr
+        )
+    }
+}
+
+fn run_check(mut cmd: Command) -> Checked {
+    let out = cmd.output().expect("running outbox-relay check");
+    Checked {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// `check` of the fixture's config, with extra environment.
+fn check(fx: &Fixture, env: &[(&str, &str)]) -> Checked {
+    let mut cmd = fx.relay_cmd("check");
+    cmd.envs(env.iter().copied());
+    run_check(cmd)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn good_setup_is_all_ok() {
+    let fx = Fixture::new("chk_good").await;
+    let c = check(&fx, &[]);
+    assert_eq!(c.code, Some(0), "{c}");
+    for line in c.lines() {
+        assert!(
+            line.starts_with("ok ") || line.starts_with("warn "),
+            "line {line:?}:\n{c}"
+        );
+    }
+    // Every check, in order.
+    let expected = [
+        "ok PostgreSQL reachable at ".to_owned(),
+        "ok wal_level = logical".to_owned(),
+        "ok replication slots: ".to_owned(),
+        "ok WAL senders: ".to_owned(),
+        "ok role postgres may replicate".to_owned(),
+        format!("ok publication {:?}: publishes inserts", fx.publication),
+        format!("ok outbox table public.{}: columns ", fx.table),
+        format!("ok replication slot {:?}: pgoutput", fx.slot),
+        "ok RabbitMQ reachable at ".to_owned(),
+        format!("ok exchange {:?}: exists", fx.exchange),
+    ];
+    let lines = c.lines();
+    let mut at = 0;
+    for want in &expected {
+        let found = lines[at..]
+            .iter()
+            .position(|l| l.starts_with(want.as_str()));
+        let Some(i) = found else {
+            panic!("no line starting with {want:?} (in order):\n{c}");
+        };
+        at += i + 1;
+    }
+    // URLs are shown with the password masked.
+    assert!(c.stdout.contains(":****@"), "{c}");
+    assert!(!c.stdout.contains(":postgres@"), "{c}");
+    assert!(!c.stdout.contains(":guest@"), "{c}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn active_slot_and_template_exchange_are_warnings() {
+    let dlx = format!("dlx_chk_active_{}", std::process::id());
+    let dlx_name = dlx.as_str();
+    let fx = Fixture::with_config(
+        "chk_active",
+        &format!("dead_letter_exchange = \"{dlx_name}\""),
+    )
+    .await;
+    fx.declare_bound(dlx_name, None, "#").await;
+    let relay = fx.spawn_relay();
+    let pid = fx
+        .wait_slot_active(None, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|| panic!("relay never streamed; log:\n{}", relay.log_tail()));
+    let c = check(
+        &fx,
+        &[("OUTBOX_RELAY_RABBITMQ_EXCHANGE", "{aggregate_type}.events")],
+    );
+    assert_eq!(c.code, Some(0), "{c}");
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with("warn replication slot")
+                && l.contains(&format!("slot is active (pid {pid})"))),
+        "{c}"
+    );
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with("warn exchange template")
+                && l.contains("cannot be checked statically")),
+        "{c}"
+    );
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with(&format!("ok dead-letter exchange {dlx_name:?}"))),
+        "{c}"
+    );
+    drop(relay);
+    if let Ok(ch) = fx.amqp.create_channel().await {
+        let _ = ch
+            .exchange_delete(dlx_name.into(), Default::default())
+            .await;
+    }
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_publication_fails() {
+    let fx = Fixture::new("chk_nopub").await;
+    let pg = pg_connect().await;
+    pg.batch_execute(&format!("DROP PUBLICATION {}", fx.publication))
+        .await
+        .unwrap();
+    let c = check(&fx, &[]);
+    c.assert_fails_with(&[
+        &format!("publication {:?}", fx.publication),
+        "does not exist",
+        "outbox-relay setup",
+    ]);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_column_fails() {
+    let fx = Fixture::new("chk_nocol").await;
+    let pg = pg_connect().await;
+    pg.batch_execute(&format!("ALTER TABLE {} DROP COLUMN event_type", fx.table))
+        .await
+        .unwrap();
+    let c = check(&fx, &[]);
+    c.assert_fails_with(&[
+        &format!("outbox table public.{}", fx.table),
+        "\"event_type\"",
+        "outbox.event_type",
+    ]);
+    assert_eq!(c.fails().len(), 1, "only the table is broken:\n{c}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_exchange_fails() {
+    let fx = Fixture::new("chk_noex").await;
+    let other = fx.scoped("no_such_exchange");
+    let c = check(&fx, &[("OUTBOX_RELAY_RABBITMQ_EXCHANGE", &other)]);
+    c.assert_fails_with(&[
+        &format!("exchange {other:?}"),
+        "does not exist",
+        "rabbitmq.exchange",
+    ]);
+    assert_eq!(c.fails().len(), 1, "only the exchange is missing:\n{c}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_postgres_password_fails_without_printing_it() {
+    let fx = Fixture::new("chk_pgpw").await;
+    let secret = "Sup3rS3cretPgPw";
+    let url = pg_url().replace(":postgres@", &format!(":{secret}@"));
+    assert!(url.contains(secret), "unexpected TEST_PG_URL {}", pg_url());
+    let c = check(&fx, &[("OUTBOX_RELAY_POSTGRES_URL", &url)]);
+    c.assert_fails_with(&[
+        "PostgreSQL reachable",
+        "password authentication failed",
+        "postgres.url",
+    ]);
+    c.assert_hides(secret);
+    // The later PostgreSQL checks say in one line that they were skipped;
+    // the broker is still checked.
+    let skipped: Vec<&str> = c
+        .lines()
+        .into_iter()
+        .filter(|l| l.contains("skipped"))
+        .collect();
+    assert_eq!(skipped.len(), 1, "{c}");
+    assert!(!c.stdout.contains("wal_level ="), "{c}");
+    assert!(c.stdout.contains("ok RabbitMQ reachable"), "{c}");
+    assert_eq!(c.fails().len(), 1, "{c}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_amqp_password_fails_without_printing_it() {
+    let fx = Fixture::new("chk_amqppw").await;
+    let secret = "Sup3rS3cretAmqpPw";
+    let url = amqp_url().replace("guest:guest@", &format!("guest:{secret}@"));
+    assert!(
+        url.contains(secret),
+        "unexpected TEST_AMQP_URL {}",
+        amqp_url()
+    );
+    let c = check(&fx, &[("OUTBOX_RELAY_RABBITMQ_URL", &url)]);
+    c.assert_fails_with(&["RabbitMQ reachable", "ACCESS_REFUSED", "rabbitmq.url"]);
+    c.assert_hides(secret);
+    assert_eq!(c.fails().len(), 1, "{c}");
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with("warn RabbitMQ checks skipped")),
+        "{c}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_vhost_fails() {
+    let fx = Fixture::new("chk_vhost").await;
+    let url = amqp_url().replace("/%2f", "/no_such_vhost");
+    assert!(url.ends_with("/no_such_vhost"), "unexpected TEST_AMQP_URL");
+    let c = check(&fx, &[("OUTBOX_RELAY_RABBITMQ_URL", &url)]);
+    c.assert_fails_with(&["RabbitMQ reachable", "vhost", "no_such_vhost"]);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_servers_fail() {
+    // A port nobody listens on.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[postgres]\nurl = \"postgres://postgres:pw@127.0.0.1:{port}/postgres\"\n\
+             [rabbitmq]\nurl = \"amqp://guest:guest@127.0.0.1:{port}/%2f\"\nexchange = \"x\"\n"
+        ),
+    )
+    .unwrap();
+    let c = run_check(check_cmd(&config));
+    c.assert_fails_with(&["PostgreSQL reachable", "is PostgreSQL running"]);
+    c.assert_fails_with(&["RabbitMQ reachable", "connection refused"]);
+    assert_eq!(c.fails().len(), 2, "{c}");
+}
+
+fn check_cmd(config: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    cmd.arg("check").arg("--config").arg(config);
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_level_replica_fails() {
+    let scratch = ScratchPg::start("replica");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[postgres]\nurl = \"{}\"\n[outbox]\ntable = \"outbox\"\n[rabbitmq]\nurl = \"{}\"\nexchange = \"\"\n",
+            scratch.url(),
+            amqp_url()
+        ),
+    )
+    .unwrap();
+    let c = run_check(check_cmd(&config));
+    c.assert_fails_with(&["wal_level", "replica", "wal_level = logical", "restart"]);
+    assert!(c.stdout.contains("ok PostgreSQL reachable"), "{c}");
+}
+
+/// A private server (so that losing WAL cannot touch other tests' slots)
+/// with a tiny `max_slot_wal_keep_size`: WAL written past it invalidates the
+/// slot, and `check` says to run `recover`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_slot_fails_naming_recover() {
+    let scratch = ScratchPg::start_with("logical", "-c max_slot_wal_keep_size=1MB");
+    let (pg, conn) = tokio_postgres::connect(&scratch.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connecting to the scratch PostgreSQL");
+    tokio::spawn(conn);
+    let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql")).unwrap();
+    pg.batch_execute(&ddl).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[postgres]\nurl = \"{}\"\n[rabbitmq]\nurl = \"{}\"\nexchange = \"\"\n",
+            scratch.url(),
+            amqp_url()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .arg("setup")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "setup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let c = run_check(check_cmd(&config));
+    assert_eq!(c.code, Some(0), "before losing the slot:\n{c}");
+
+    pg.batch_execute("CREATE TABLE noise (pad text)")
+        .await
+        .unwrap();
+    let mut lost = false;
+    for _ in 0..40 {
+        pg.batch_execute(
+            "INSERT INTO noise SELECT repeat(md5(g::text), 30) FROM generate_series(1, 20000) g",
+        )
+        .await
+        .unwrap();
+        pg.batch_execute("SELECT pg_switch_wal()").await.unwrap();
+        pg.batch_execute("CHECKPOINT").await.unwrap();
+        let s: Option<String> = pg
+            .query_one(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'outbox_relay'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if s.as_deref() == Some("lost") {
+            lost = true;
+            break;
+        }
+    }
+    assert!(lost, "could not invalidate the slot");
+    let c = run_check(check_cmd(&config));
+    c.assert_fails_with(&[
+        "replication slot \"outbox_relay\"",
+        "wal_status = lost",
+        "run `outbox-relay recover`",
+    ]);
+    assert_eq!(c.fails().len(), 1, "{c}");
+}
+
+/// A throwaway PostgreSQL with the given `wal_level`, run as the `postgres`
+/// OS user like the harness's (a copy of the one in tests/commands.rs).
+struct ScratchPg {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl ScratchPg {
+    fn start(wal_level: &str) -> ScratchPg {
+        Self::start_with(wal_level, "")
+    }
+
+    /// With extra `postgres` options, e.g. `-c name=value`.
+    fn start_with(wal_level: &str, extra_opts: &str) -> ScratchPg {
+        let bin = pg_bin();
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-scratch-pg")
+            .tempdir()
+            .unwrap();
+        let data = dir.path().join("data");
+        let chown = Command::new("chown")
+            .arg("-R")
+            .arg("postgres:postgres")
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(chown.success());
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ok = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("initdb"))
+            .args(["-A", "trust", "-U", "postgres", "-D"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert!(
+            ok.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c wal_level={wal_level} -c fsync=off {extra_opts}",
+            dir.path().display()
+        );
+        let ok = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("pg_ctl"))
+            .args(["-w", "-D"])
+            .arg(&data)
+            .args(["-o", &opts, "-l"])
+            .arg(dir.path().join("log"))
+            .arg("start")
+            .output()
+            .unwrap();
+        assert!(
+            ok.status.success(),
+            "pg_ctl start: {}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        ScratchPg { dir, port }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for ScratchPg {
+    fn drop(&mut self) {
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(pg_bin().join("pg_ctl"))
+            .args(["-m", "immediate", "-D"])
+            .arg(self.dir.path().join("data"))
+            .arg("stop")
+            .output();
+    }
+}
+
+fn pg_bin() -> PathBuf {
+    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server packages in /usr/lib/postgresql")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("bin/initdb").exists())
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .expect("a PostgreSQL version with initdb")
+        .join("bin")
+}
