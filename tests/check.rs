@@ -5,7 +5,7 @@
 mod common;
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -393,100 +393,4 @@ async fn lost_slot_fails_naming_recover() {
         "run `outbox-relay recover`",
     ]);
     assert_eq!(c.fails().len(), 1, "{c}");
-}
-
-/// A throwaway PostgreSQL with the given `wal_level`, run as the `postgres`
-/// OS user like the harness's (a copy of the one in tests/commands.rs).
-struct ScratchPg {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl ScratchPg {
-    fn start(wal_level: &str) -> ScratchPg {
-        Self::start_with(wal_level, "")
-    }
-
-    /// With extra `postgres` options, e.g. `-c name=value`.
-    fn start_with(wal_level: &str, extra_opts: &str) -> ScratchPg {
-        let bin = pg_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-scratch-pg")
-            .tempdir()
-            .unwrap();
-        let data = dir.path().join("data");
-        let chown = Command::new("chown")
-            .arg("-R")
-            .arg("postgres:postgres")
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(chown.success());
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .args(["-A", "trust", "-U", "postgres", "-D"])
-            .arg(&data)
-            .output()
-            .unwrap();
-        assert!(
-            ok.status.success(),
-            "initdb: {}",
-            String::from_utf8_lossy(&ok.stderr)
-        );
-        let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c wal_level={wal_level} -c fsync=off {extra_opts}",
-            dir.path().display()
-        );
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("pg_ctl"))
-            .args(["-w", "-D"])
-            .arg(&data)
-            .args(["-o", &opts, "-l"])
-            .arg(dir.path().join("log"))
-            .arg("start")
-            .output()
-            .unwrap();
-        assert!(
-            ok.status.success(),
-            "pg_ctl start: {}",
-            String::from_utf8_lossy(&ok.stderr)
-        );
-        ScratchPg { dir, port }
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for ScratchPg {
-    fn drop(&mut self) {
-        let _ = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(pg_bin().join("pg_ctl"))
-            .args(["-m", "immediate", "-D"])
-            .arg(self.dir.path().join("data"))
-            .arg("stop")
-            .output();
-    }
-}
-
-fn pg_bin() -> PathBuf {
-    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server packages in /usr/lib/postgresql")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("bin/initdb").exists())
-        .collect();
-    versions.sort();
-    versions
-        .pop()
-        .expect("a PostgreSQL version with initdb")
-        .join("bin")
 }

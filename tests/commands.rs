@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::net::TcpListener;
-use std::path::Path;
 use std::process::Command;
 
 use common::*;
@@ -132,89 +130,6 @@ async fn status_reports_the_slot() {
     assert!(v["confirmed_flush_lsn"].as_str().unwrap().contains('/'));
     assert!(v["retained_wal_bytes"].as_i64().unwrap() >= 0);
     fx.cleanup().await;
-}
-
-/// A throwaway PostgreSQL with `wal_level = replica`, run as the `postgres`
-/// OS user like the harness's.
-struct ScratchPg {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl ScratchPg {
-    fn start(wal_level: &str) -> ScratchPg {
-        let bin = pg_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-scratch-pg")
-            .tempdir()
-            .unwrap();
-        let data = dir.path().join("data");
-        let chown = Command::new("chown")
-            .arg("-R")
-            .arg("postgres:postgres")
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(chown.success());
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .args(["-A", "trust", "-U", "postgres", "-D"])
-            .arg(&data)
-            .output()
-            .unwrap();
-        assert!(ok.status.success(), "initdb: {}", stderr(&ok));
-        let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c wal_level={wal_level} -c fsync=off",
-            dir.path().display()
-        );
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("pg_ctl"))
-            .args(["-w", "-D"])
-            .arg(&data)
-            .args(["-o", &opts, "-l"])
-            .arg(dir.path().join("log"))
-            .arg("start")
-            .output()
-            .unwrap();
-        assert!(ok.status.success(), "pg_ctl start: {}", stderr(&ok));
-        ScratchPg { dir, port }
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for ScratchPg {
-    fn drop(&mut self) {
-        let _ = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(pg_bin().join("pg_ctl"))
-            .args(["-m", "immediate", "-D"])
-            .arg(self.dir.path().join("data"))
-            .arg("stop")
-            .output();
-    }
-}
-
-fn pg_bin() -> std::path::PathBuf {
-    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server packages in /usr/lib/postgresql")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| Path::new(p).join("bin/initdb").exists())
-        .collect();
-    versions.sort();
-    versions
-        .pop()
-        .expect("a PostgreSQL version with initdb")
-        .join("bin")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -205,28 +205,11 @@ impl AmqpSink {
         }
     }
 
-    /// Hands one message to the broker. Returns once lapin has queued the
-    /// frames, which waits while the broker blocks the connection; the
-    /// returned future resolves on the broker's confirm. No deadline here:
-    /// the caller decides how long a blocked broker may hold it.
+    /// Hands one message to the broker; see [`PublishHandle::publish`]. No
+    /// deadline here: the caller decides how long a blocked broker may hold
+    /// it.
     pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
-        self.channel
-            .basic_publish(
-                env.exchange.clone(),
-                env.routing_key.clone(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &env.body,
-                env.properties.clone(),
-            )
-            .await
-            .map_err(|source| SinkError::Amqp {
-                what: "publishing",
-                url: self.url.clone(),
-                source,
-            })
+        self.handle().publish(env).await
     }
 
     /// An owned handle for publishing, so a publish can be started now and
