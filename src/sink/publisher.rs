@@ -23,7 +23,9 @@ use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
 use crate::message::{Envelope, dead_letter_unrenderable, render};
-use crate::metrics::{Metrics, Outcome, ReasonLabel, RetryReason};
+use prometheus_client::metrics::counter::Counter;
+
+use crate::metrics::{Metrics, Outcome, OutcomeLabel, ReasonLabel, RetryReason};
 use crate::outbox::OutboxEvent;
 use crate::relay::RelayError;
 
@@ -162,6 +164,9 @@ fn retry_delay(base: Duration, attempts: u32) -> Duration {
 
 /// The loop's state.
 struct Publisher<'a> {
+    /// Counter handles resolved once: a labelled lookup takes a lock.
+    published: Counter,
+    dead_lettered: Counter,
     cfg: &'a RabbitmqConfig,
     metrics: &'a Metrics,
     cp: Checkpoint,
@@ -267,9 +272,9 @@ impl Publisher<'_> {
                     .confirm_latency
                     .observe(f.published_at.elapsed().as_secs_f64());
                 if f.dead_letter {
-                    self.metrics.event(Outcome::dead_lettered);
+                    self.dead_lettered.inc();
                 } else {
-                    self.metrics.event(Outcome::published);
+                    self.published.inc();
                     self.metrics.published_bytes.inc_by(f.env.body.len() as u64);
                 }
                 let moved = self.cp.confirm(f.seq)?;
@@ -348,7 +353,15 @@ pub async fn run(
     metrics: &Metrics,
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
+    let outcome = |outcome| {
+        metrics
+            .events
+            .get_or_create(&OutcomeLabel { outcome })
+            .clone()
+    };
     let mut p = Publisher {
+        published: outcome(Outcome::published),
+        dead_lettered: outcome(Outcome::dead_lettered),
         cfg,
         metrics,
         cp: Checkpoint::new(start),
