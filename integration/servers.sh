@@ -27,6 +27,11 @@
 # Environment knobs:
 #   OUTBOX_IT_TMP   parent of the directory made by `with` (default /tmp); it
 #                   must be reachable by the `postgres` OS user.
+#   OUTBOX_IT_RABBITMQ_TLS_DIR
+#                   for `up`: a directory holding ca.pem, server.pem and
+#                   server.key (PEM). RabbitMQ then also accepts AMQPS on a
+#                   port of its own with that certificate, and DIR/env also
+#                   exports TEST_AMQPS_URL (amqps://guest:guest@127.0.0.1:PORT/%2f).
 set -euo pipefail
 
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
@@ -344,6 +349,19 @@ EOF
 
 emit() { printf 'export %s=%q\n' "$1" "$2"; }
 
+# An AMQPS listener on PORT with the certificate in TLS_DIR (no client certificates).
+rabbitmq_tls() {
+    local dir=$1 tls_dir=$2 port=$3
+    cat >>"$dir/rabbitmq/rabbitmq.conf" <<EOF
+listeners.ssl.default = 127.0.0.1:$port
+ssl_options.cacertfile = $tls_dir/ca.pem
+ssl_options.certfile = $tls_dir/server.pem
+ssl_options.keyfile = $tls_dir/server.key
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
+EOF
+}
+
 # rabbitmqctl against our node (call inside a subshell that sourced rabbitmq.env).
 rmqctl() { "$RMQ_BIN/rabbitmqctl" -q -n "$RABBITMQ_NODENAME" "$@"; }
 
@@ -461,14 +479,27 @@ cmd_up() {
     as_postgres test -x "$dir" ||
         die "the postgres OS user cannot reach $dir; use a directory under /tmp"
 
-    local ports pg_port amqp_port dist_port epmd_port
-    ports=$(pick_ports "$dir" 4)
-    read -r pg_port amqp_port dist_port epmd_port <<<"$ports"
+    local tls_dir=${OUTBOX_IT_RABBITMQ_TLS_DIR:-} nports=4 f
+    if [[ -n $tls_dir ]]; then
+        tls_dir=$(readlink -f "$tls_dir")
+        for f in ca.pem server.pem server.key; do
+            [[ -r $tls_dir/$f ]] || die "OUTBOX_IT_RABBITMQ_TLS_DIR: no readable $tls_dir/$f"
+        done
+        nports=5
+    fi
+
+    local ports pg_port amqp_port dist_port epmd_port amqps_port
+    ports=$(pick_ports "$dir" "$nports")
+    read -r pg_port amqp_port dist_port epmd_port amqps_port <<<"$ports"
 
     pg_init "$dir" "$pg_port"
     pg_start "$dir"
     rabbitmq_init "$dir" "$amqp_port" "$dist_port" "$epmd_port"
+    if [[ -n $tls_dir ]]; then rabbitmq_tls "$dir" "$tls_dir" "$amqps_port"; fi
     rabbitmq_start "$dir"
+    if [[ -n $tls_dir ]]; then
+        wait_for_port "$amqps_port" 10 || die "RabbitMQ is up but not listening for AMQPS on $amqps_port"
+    fi
 
     {
         emit TEST_PG_URL "postgres://postgres:postgres@127.0.0.1:$pg_port/postgres"
@@ -476,6 +507,9 @@ cmd_up() {
         emit OUTBOX_IT_DIR "$dir"
         emit TEST_PG_CTL "$SELF pg"
         emit TEST_RABBITMQ_CTL "$SELF rabbitmq"
+        if [[ -n $tls_dir ]]; then
+            emit TEST_AMQPS_URL "amqps://guest:guest@127.0.0.1:$amqps_port/%2f"
+        fi
     } >"$dir/env"
 }
 

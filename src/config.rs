@@ -10,12 +10,13 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use crate::template::Template;
+use crate::tls::SslMode;
 
 /// The environment variable prefix for overrides.
 pub const ENV_PREFIX: &str = "OUTBOX_RELAY_";
@@ -142,6 +143,10 @@ struct RawPostgres {
     heartbeat_secs: u64,
     #[serde(default = "default_checkpoint_table")]
     checkpoint_table: String,
+    #[serde(default)]
+    sslmode: Option<String>,
+    #[serde(default)]
+    ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -193,6 +198,8 @@ struct RawRabbitmq {
     max_message_bytes: u64,
     #[serde(default = "default_shutdown_grace_secs", deserialize_with = "de_u64")]
     shutdown_grace_secs: u64,
+    #[serde(default)]
+    ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -305,6 +312,12 @@ pub struct PostgresConfig {
     pub heartbeat: Option<Duration>,
     /// Table where the relay records its checkpoint.
     pub checkpoint_table: TableName,
+    /// TLS for both connections: `postgres.sslmode`, else `sslmode=` in the
+    /// URL, else `prefer`.
+    pub sslmode: SslMode,
+    /// CA to verify the server certificate with: `postgres.ca_file`, else
+    /// `sslrootcert=` in the URL; `None`: the Mozilla roots.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// `[outbox]`: which table, and which of its columns play which role.
@@ -388,6 +401,8 @@ pub struct RabbitmqConfig {
     pub max_message_bytes: usize,
     /// How long shutdown waits for outstanding confirms.
     pub shutdown_grace: Duration,
+    /// A CA to trust for `amqps://`, besides the Mozilla roots.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// `[http]`.
@@ -483,9 +498,40 @@ impl RawConfig {
                 "expected a URL of the form postgres://user:password@host:port/database",
             ));
         }
-        p.url
+        // libpq's TLS parameters are ours to read: tokio-postgres knows
+        // neither verify-ca/verify-full nor sslrootcert.
+        let url_tls = crate::tls::split_pg_url(&p.url);
+        url_tls
+            .url
             .parse::<tokio_postgres::Config>()
             .map_err(|e| key_err("postgres.url", format!("not a valid PostgreSQL URL: {e}")))?;
+        let sslmode = match (non_empty(p.sslmode), url_tls.sslmode) {
+            (Some(s), _) => SslMode::parse(&s).ok_or_else(|| {
+                key_err(
+                    "postgres.sslmode",
+                    format!("expected one of {}, got {s:?}", SslMode::CHOICES),
+                )
+            })?,
+            (None, Some(s)) => SslMode::parse(&s).ok_or_else(|| {
+                key_err(
+                    "postgres.url",
+                    format!("sslmode={s} is not one of {}", SslMode::CHOICES),
+                )
+            })?,
+            (None, None) => SslMode::default(),
+        };
+        let pg_ca_file = match (non_empty(p.ca_file), url_tls.sslrootcert) {
+            (Some(f), _) => Some(check_ca_file("postgres.ca_file", &f)?),
+            // libpq's `sslrootcert=system`: the default roots.
+            (None, Some(f)) if f == "system" || f.is_empty() => None,
+            (None, Some(f)) => {
+                let path = PathBuf::from(f);
+                crate::tls::load_ca_file(&path)
+                    .map_err(|e| key_err("postgres.url", format!("sslrootcert: {e}")))?;
+                Some(path)
+            }
+            (None, None) => None,
+        };
         check_identifier("postgres.slot", &p.slot)?;
         if !p
             .slot
@@ -538,6 +584,10 @@ impl RawConfig {
         r.url
             .parse::<lapin::uri::AMQPUri>()
             .map_err(|e| key_err("rabbitmq.url", format!("not a valid AMQP URL: {e}")))?;
+        let amqp_ca_file = match non_empty(r.ca_file) {
+            Some(f) => Some(check_ca_file("rabbitmq.ca_file", &f)?),
+            None => None,
+        };
         let exchange = Template::parse(&r.exchange).map_err(|e| key_err("rabbitmq.exchange", e))?;
         let routing_key =
             Template::parse(&r.routing_key).map_err(|e| key_err("rabbitmq.routing_key", e))?;
@@ -614,6 +664,8 @@ impl RawConfig {
                 status_interval: Duration::from_millis(p.status_interval_ms),
                 heartbeat: (p.heartbeat_secs > 0).then(|| Duration::from_secs(p.heartbeat_secs)),
                 checkpoint_table,
+                sslmode,
+                ca_file: pg_ca_file,
             },
             outbox: OutboxConfig { table, columns },
             rabbitmq: RabbitmqConfig {
@@ -627,10 +679,24 @@ impl RawConfig {
                 retry_backoff: Duration::from_millis(r.retry_backoff_ms),
                 max_message_bytes: r.max_message_bytes as usize,
                 shutdown_grace: Duration::from_secs(r.shutdown_grace_secs),
+                ca_file: amqp_ca_file,
             },
             http: HttpConfig { listen },
         })
     }
+}
+
+/// An empty string (e.g. an environment override) means "not set".
+fn non_empty(v: Option<String>) -> Option<String> {
+    v.filter(|s| !s.trim().is_empty())
+}
+
+/// The CA file must be readable and hold a certificate now, not at the
+/// first connection.
+fn check_ca_file(key: &str, path: &str) -> Result<PathBuf, ConfigError> {
+    let path = PathBuf::from(path);
+    crate::tls::load_ca_file(&path).map_err(|e| key_err(key, e))?;
+    Ok(path)
 }
 
 fn check_identifier(key: &str, v: &str) -> Result<(), ConfigError> {
@@ -759,6 +825,127 @@ listen = "127.0.0.1:9187"
         let text = MINIMAL.replace("exchange = \"outbox\"", "");
         let err = load(&text, &[]).unwrap_err().to_string();
         assert!(err.contains("exchange"), "{err}");
+    }
+
+    /// A self-signed CA certificate in a temporary file.
+    fn ca_pem() -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).unwrap();
+        let path = dir.path().join("ca.pem");
+        std::fs::write(&path, cert.pem()).unwrap();
+        let path = path.display().to_string();
+        (dir, path)
+    }
+
+    #[test]
+    fn tls_settings_default_to_prefer_without_a_ca() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.postgres.sslmode, SslMode::Prefer);
+        assert_eq!(c.postgres.ca_file, None);
+        assert_eq!(c.rabbitmq.ca_file, None);
+    }
+
+    #[test]
+    fn sslmode_comes_from_the_url_unless_the_config_sets_it() {
+        let (_dir, ca) = ca_pem();
+        let url = format!(
+            "postgres://relay:s3cret@db.example:5432/app?sslmode=verify-full&sslrootcert={}",
+            ca.replace('/', "%2F")
+        );
+        let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_URL", url.as_str())]).unwrap();
+        assert_eq!(c.postgres.sslmode, SslMode::VerifyFull);
+        assert_eq!(c.postgres.ca_file, Some(PathBuf::from(&ca)));
+
+        let text = MINIMAL.replace(
+            "slot = \"outbox_relay\"",
+            &format!("slot = \"outbox_relay\"\nsslmode = \"verify-ca\"\nca_file = \"{ca}\""),
+        );
+        let c = load(
+            &text,
+            &[(
+                "OUTBOX_RELAY_POSTGRES_URL",
+                "postgres://relay@db/app?sslmode=disable&sslrootcert=/nonexistent.pem",
+            )],
+        )
+        .unwrap();
+        assert_eq!(c.postgres.sslmode, SslMode::VerifyCa);
+        assert_eq!(c.postgres.ca_file, Some(PathBuf::from(&ca)));
+
+        let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_SSLMODE", "require")]).unwrap();
+        assert_eq!(c.postgres.sslmode, SslMode::Require);
+        let c = load(
+            MINIMAL,
+            &[(
+                "OUTBOX_RELAY_POSTGRES_URL",
+                "postgres://relay@db/app?sslrootcert=system",
+            )],
+        )
+        .unwrap();
+        assert_eq!(c.postgres.ca_file, None);
+    }
+
+    #[test]
+    fn bad_tls_settings_name_the_key() {
+        let (_dir, ca) = ca_pem();
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "OUTBOX_RELAY_POSTGRES_SSLMODE",
+                "verify",
+                "postgres.sslmode",
+            ),
+            (
+                "OUTBOX_RELAY_POSTGRES_URL",
+                "postgres://u@h/db?sslmode=sometimes",
+                "postgres.url",
+            ),
+            (
+                "OUTBOX_RELAY_POSTGRES_CA_FILE",
+                "/nonexistent/ca.pem",
+                "postgres.ca_file",
+            ),
+            (
+                "OUTBOX_RELAY_POSTGRES_URL",
+                "postgres://u@h/db?sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem",
+                "postgres.url",
+            ),
+            (
+                "OUTBOX_RELAY_RABBITMQ_CA_FILE",
+                "/nonexistent/ca.pem",
+                "rabbitmq.ca_file",
+            ),
+            (
+                "OUTBOX_RELAY_RABBITMQ_CA_FILE",
+                "Cargo.toml",
+                "rabbitmq.ca_file",
+            ),
+        ];
+        for (var, value, key) in cases {
+            let err = load(MINIMAL, &[(var, value)]).unwrap_err().to_string();
+            assert!(err.contains(key), "{var}={value}: {err}");
+        }
+        let err = load(
+            MINIMAL,
+            &[("OUTBOX_RELAY_RABBITMQ_CA_FILE", "/nonexistent/ca.pem")],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("/nonexistent/ca.pem"), "{err}");
+
+        let c = load(
+            MINIMAL,
+            &[
+                ("OUTBOX_RELAY_RABBITMQ_URL", "amqps://u:p@broker/%2f"),
+                ("OUTBOX_RELAY_RABBITMQ_CA_FILE", ca.as_str()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.rabbitmq.ca_file, Some(PathBuf::from(&ca)));
+        // An empty override unsets the key.
+        let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_CA_FILE", "")]).unwrap();
+        assert_eq!(c.postgres.ca_file, None);
     }
 
     #[test]

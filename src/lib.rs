@@ -48,3 +48,4 @@ pub mod relay;
 pub mod sink;
 pub mod source;
 pub mod template;
+pub mod tls;

@@ -319,6 +319,7 @@ mod tests {
             retry_backoff: Duration::from_millis(10),
             max_message_bytes: 1 << 20,
             shutdown_grace: Duration::from_secs(1),
+            ca_file: None,
         }
     }
 

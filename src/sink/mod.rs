@@ -15,11 +15,12 @@ use std::time::Duration;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, ExchangeKind};
 use lapin::{Confirmation, PublisherConfirm};
 
 use crate::config::{RabbitmqConfig, redact_url};
 use crate::message::Envelope;
+use crate::tls::{self, TlsFailure};
 
 /// What went wrong on the broker side.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,10 @@ pub enum SinkError {
         /// The broker's reply.
         reason: String,
     },
+    /// TLS could not be set up or the handshake was refused (untrusted or
+    /// wrong certificate): the message names the setting to fix.
+    #[error("{0}")]
+    Tls(String),
     /// No confirm within `rabbitmq.confirm_timeout_secs`.
     #[error("no confirm for event {id} within {secs} s (rabbitmq.confirm_timeout_secs)")]
     ConfirmTimeout {
@@ -102,6 +107,7 @@ impl SinkError {
                 _ => source.can_be_recovered(),
             },
             SinkError::NoExchange(_)
+            | SinkError::Tls(_)
             | SinkError::Returned { .. }
             | SinkError::DeadLetterRefused { .. } => false,
             SinkError::Disconnected
@@ -145,12 +151,27 @@ impl AmqpSink {
     pub async fn connect(cfg: &RabbitmqConfig) -> Result<AmqpSink, SinkError> {
         let url = cfg.url.expose();
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let conn = deadline(
-            "connecting to RabbitMQ",
-            url,
-            Connection::connect(url, props),
-        )
-        .await?;
+        // Used by amqps:// URLs only; lapin decides by the scheme.
+        let tls_config = tls::rabbitmq_tls(cfg.ca_file.as_deref())
+            .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?;
+        let builder = DefaultConnectionBuilder::new()
+            .map_err(|source| SinkError::Amqp {
+                what: "connecting to RabbitMQ",
+                url: redact_url(url),
+                source,
+            })?
+            .with_uri_str(url.to_owned())
+            .with_properties(props)
+            .with_tls_config(tls_config);
+        let conn = match deadline("connecting to RabbitMQ", url, builder.connect()).await {
+            Err(SinkError::Amqp { source, .. })
+                if TlsFailure::find(&source).is_some_and(|f| f.is_permanent()) =>
+            {
+                let f = TlsFailure::find(&source).expect("just found");
+                return Err(SinkError::Tls(tls::rabbitmq_failure(&f, &redact_url(url))));
+            }
+            other => other?,
+        };
         let channel = deadline("opening a channel", url, conn.create_channel()).await?;
         deadline(
             "enabling publisher confirms",

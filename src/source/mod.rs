@@ -6,11 +6,12 @@ pub mod slot;
 
 use std::time::Duration;
 
-use pgwire_replication::{ReplicationClient, ReplicationConfig, TlsConfig};
+use pgwire_replication::{ReplicationClient, ReplicationConfig};
 use tokio_postgres::config::Host;
 
 use crate::config::{PostgresConfig, redact_url};
 use crate::lsn::Lsn;
+use crate::tls::{self, TlsFailure};
 
 /// What went wrong on the PostgreSQL side.
 #[derive(Debug, thiserror::Error)]
@@ -71,7 +72,11 @@ impl SourceError {
             SourceError::Replication { source, .. } => {
                 use pgwire_replication::PgWireError as E;
                 match source {
-                    E::Auth(_) | E::Tls(_) => false,
+                    E::Auth(_) => false,
+                    // Certificate and configuration problems became
+                    // `Setup` in `start_replication`; what is left is the
+                    // connection breaking during a handshake.
+                    E::Tls(msg) => !TlsFailure::from_text(msg).is_permanent(),
                     E::Server(msg) => {
                         !(msg.contains("does not exist")
                             || msg.contains("permission denied")
@@ -92,12 +97,29 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Opens a SQL connection; its driver task runs until the client is dropped.
 pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
     let url = cfg.url.expose();
-    let fut = tokio_postgres::connect(url, tokio_postgres::NoTls);
+    // The URL was validated with the same split when the config was loaded.
+    let mut pg: tokio_postgres::Config = tls::split_pg_url(url).url.parse().map_err(|e| {
+        SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
+    })?;
+    let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
+        .map_err(|e| SourceError::Setup(format!("postgres.ca_file: {e}")))?;
+    let fut = pg.connect(connector);
     let (client, conn) = match tokio::time::timeout(CONNECT_TIMEOUT, fut).await {
-        Ok(r) => r.map_err(|source| SourceError::Sql {
-            what: "connecting to PostgreSQL".into(),
-            url: redact_url(url),
-            source,
+        Ok(r) => r.map_err(|source| match TlsFailure::find(&source) {
+            Some(f) if f.is_permanent() => {
+                SourceError::Setup(tls::postgres_failure(&f, &redact_url(url), cfg.sslmode))
+            }
+            _ => match source
+                .as_db_error()
+                .and_then(|db| tls::postgres_wants_tls(db.message(), &redact_url(url), cfg.sslmode))
+            {
+                Some(msg) => SourceError::Setup(msg),
+                None => SourceError::Sql {
+                    what: "connecting to PostgreSQL".into(),
+                    url: redact_url(url),
+                    source,
+                },
+            },
         })?,
         Err(_) => {
             return Err(SourceError::Timeout(format!(
@@ -132,7 +154,7 @@ pub async fn start_replication(
     buffer_events: usize,
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
-    let pg: tokio_postgres::Config = url.parse().map_err(|e| {
+    let pg: tokio_postgres::Config = tls::split_pg_url(url).url.parse().map_err(|e| {
         SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
     })?;
     let user = pg.get_user().unwrap_or("postgres").to_owned();
@@ -142,6 +164,14 @@ pub async fn start_replication(
         .unwrap_or_default();
     let database = pg.get_dbname().unwrap_or(&user).to_owned();
     let port = pg.get_ports().first().copied().unwrap_or(5432);
+    let tls_host = match pg.get_hosts().first() {
+        Some(Host::Tcp(host)) => Some(host.as_str()),
+        Some(Host::Unix(_)) => None,
+        None => Some("localhost"),
+    };
+    let tls_config =
+        tls::postgres_replication_tls_for(cfg.sslmode, cfg.ca_file.as_deref(), tls_host, port)
+            .await;
     let base = match pg.get_hosts().first() {
         Some(Host::Unix(dir)) => ReplicationConfig::unix(
             dir.display().to_string(),
@@ -172,17 +202,41 @@ pub async fn start_replication(
         .with_port(port),
     };
     let rc = base
-        .with_tls(TlsConfig::disabled())
+        .with_tls(tls_config)
         .with_start_lsn(pgwire_replication::Lsn::from_u64(0))
         .with_ack_lsn(confirmed.into())
         .with_status_interval(cfg.status_interval)
         .with_wakeup_interval(Duration::from_secs(10))
         .with_buffer_size(buffer_events)
         .with_application_name("outbox-relay");
-    match tokio::time::timeout(CONNECT_TIMEOUT, ReplicationClient::connect(rc)).await {
-        Ok(r) => r.map_err(|source| SourceError::Replication {
-            url: redact_url(url),
-            source,
+    // `connect` only spawns the worker: wait until the server accepted
+    // START_REPLICATION, so that TLS, authentication and slot errors surface
+    // here, where they can be explained.
+    let open = async {
+        let mut client = ReplicationClient::connect(rc).await?;
+        client.wait_started().await?;
+        Ok(client)
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
+        Ok(r) => r.map_err(|source| match &source {
+            pgwire_replication::PgWireError::Tls(msg)
+                if TlsFailure::from_text(msg).is_permanent() =>
+            {
+                SourceError::Setup(tls::postgres_failure(
+                    &TlsFailure::from_text(msg),
+                    &redact_url(url),
+                    cfg.sslmode,
+                ))
+            }
+            _ => {
+                match tls::postgres_wants_tls(&source.to_string(), &redact_url(url), cfg.sslmode) {
+                    Some(msg) => SourceError::Setup(msg),
+                    None => SourceError::Replication {
+                        url: redact_url(url),
+                        source,
+                    },
+                }
+            }
         }),
         Err(_) => Err(SourceError::Timeout(format!(
             "opening the replication connection ({})",
