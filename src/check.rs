@@ -840,7 +840,19 @@ async fn broker_connect(cfg: &Config) -> (Line, Option<Connection>) {
         Err(e) => return (Line::fail(what, format!("not a valid AMQP URL: {e}")), None),
     };
     let props = ConnectionProperties::default().with_connection_name("outbox-relay check".into());
-    let conn = match tokio::time::timeout(CHECK_TIMEOUT, Connection::connect(url, props)).await {
+    // The same TLS set-up as the relay's own connection (amqps:// only).
+    let tls = match crate::tls::rabbitmq_tls(cfg.rabbitmq.ca_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return (Line::fail(what, format!("rabbitmq.ca_file: {e}")), None),
+    };
+    let builder = match lapin::DefaultConnectionBuilder::new() {
+        Ok(b) => b
+            .with_uri_str(url.to_owned())
+            .with_properties(props)
+            .with_tls_config(tls),
+        Err(e) => return (Line::fail(what, e.to_string()), None),
+    };
+    let conn = match tokio::time::timeout(CHECK_TIMEOUT, builder.connect()).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             return (
