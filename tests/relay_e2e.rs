@@ -308,3 +308,70 @@ async fn graceful_restart_resumes_from_the_slot_without_duplicates() {
     relay.sigterm();
     fx.cleanup().await;
 }
+
+/// `ALTER TABLE` mid-stream: pgoutput sends a new Relation message and the
+/// relay maps columns by name from it, without a restart. Dropping `headers`
+/// shifts the columns after it; with a stale mapping, the relay would read
+/// `created_at`'s text as the headers object and stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_change_mid_stream_is_followed_without_a_restart() {
+    let mut fx = Fixture::new("altertable").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let mut relay = fx.spawn_relay();
+    let before = fx
+        .insert(&pg, "doc", "d1", "v1", &serde_json::json!({"v": 1}))
+        .await;
+    fx.collect_until(
+        std::slice::from_ref(&before),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+
+    pg.batch_execute(&format!("ALTER TABLE {} ADD COLUMN note text", fx.table))
+        .await
+        .unwrap();
+    pg.batch_execute(&format!("ALTER TABLE {} DROP COLUMN headers", fx.table))
+        .await
+        .unwrap();
+    let after: String = pg
+        .query_one(
+            &format!(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, note) \
+                 VALUES ('doc', 'd1', 'v2', '{{\"v\": 2}}', 'hello') RETURNING id::text",
+                fx.table
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let got = fx
+        .collect_until(
+            std::slice::from_ref(&after),
+            Duration::from_secs(30),
+            Duration::ZERO,
+            Some(&relay),
+        )
+        .await;
+    let r = &got[0];
+    assert_eq!(r.routing_key, "doc.v2");
+    assert_eq!(r.json(), serde_json::json!({"v": 2}));
+    assert_eq!(r.header_str("aggregate_id").as_deref(), Some("d1"));
+    assert!(r.header("source").is_none(), "headers column is gone");
+    assert!(
+        relay.is_running(),
+        "relay restarted or stopped:\n{}",
+        relay.log_tail()
+    );
+    let log = std::fs::read_to_string(&relay.log).unwrap();
+    assert_eq!(
+        log.matches("streaming from LSN").count(),
+        1,
+        "the relay reconnected:\n{log}"
+    );
+    relay.sigterm();
+    fx.cleanup().await;
+}
