@@ -28,9 +28,8 @@ demo: ## Relay a few outbox events end to end and print the messages
 	$(SERVERS) install
 	$(SERVERS) with integration/demo.sh
 
-bench: ## Benchmarks (not implemented yet)
-	@echo "bench: not implemented yet" >&2
-	@exit 1
+bench: ## Benchmarks vs broker ceiling and polling -> target/bench/report.md (BENCH_EVENTS, BENCH_SECONDS)
+	bench/run.sh
 
 lint: ## rustfmt check + clippy with warnings as errors
 	cargo fmt --check

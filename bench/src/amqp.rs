@@ -1,0 +1,327 @@
+//! RabbitMQ side: topology, queue depth, the two ways of driving lapin, and a
+//! consumer that stamps arrivals.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+
+use crate::workload::unix_us;
+
+pub async fn connect(url: &str, name: &str) -> Result<Connection> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    Connection::connect(url, props)
+        .await
+        .context("connecting to RabbitMQ")
+}
+
+/// A channel in confirm mode.
+pub async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(ch)
+}
+
+/// Durable topic exchange and a durable queue of `queue_type` bound to it
+/// with `#` (the queue is deleted first, so it starts empty).
+pub async fn declare(
+    conn: &Connection,
+    exchange: &str,
+    queue: &str,
+    queue_type: &str,
+) -> Result<()> {
+    let ch = conn.create_channel().await?;
+    ch.exchange_declare(
+        exchange.into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_delete(queue.into(), Default::default()).await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from(queue_type)),
+    );
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .with_context(|| format!("declaring {queue_type} queue {queue}"))?;
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(())
+}
+
+/// Watches a queue's depth with passive declares (no consumer attached).
+pub struct DepthProbe {
+    conn: Connection,
+    ch: Channel,
+    queue: String,
+}
+
+impl DepthProbe {
+    pub async fn new(url: &str, queue: &str) -> Result<DepthProbe> {
+        let conn = connect(url, "relay-bench depth probe").await?;
+        let ch = conn.create_channel().await?;
+        Ok(DepthProbe {
+            conn,
+            ch,
+            queue: queue.to_owned(),
+        })
+    }
+
+    pub async fn depth(&mut self) -> Result<u64> {
+        let q = self
+            .ch
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .with_context(|| format!("passive declare of {}", self.queue))?;
+        Ok(u64::from(q.message_count()))
+    }
+
+    pub async fn purge(&mut self) -> Result<()> {
+        self.ch
+            .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        // A purge of a quorum queue is applied through its log: wait until
+        // the queue reads empty.
+        let end = Instant::now() + Duration::from_secs(30);
+        while self.depth().await? != 0 {
+            if Instant::now() > end {
+                bail!("queue {} not empty 30 s after a purge", self.queue);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// Polls every `every` until the queue holds at least `n` messages.
+    /// Returns when the first message was seen and when `n` were.
+    pub async fn wait_for(
+        &mut self,
+        n: u64,
+        every: Duration,
+        timeout: Duration,
+        mut alive: impl FnMut() -> Result<()>,
+    ) -> Result<(Instant, Instant)> {
+        let end = Instant::now() + timeout;
+        let mut first = None;
+        loop {
+            let d = self.depth().await?;
+            let now = Instant::now();
+            if d > 0 && first.is_none() {
+                first = Some(now);
+            }
+            if d >= n {
+                return Ok((first.unwrap_or(now), now));
+            }
+            if now > end {
+                bail!(
+                    "queue {} holds {d} of {n} messages after {timeout:?}",
+                    self.queue
+                );
+            }
+            alive()?;
+            tokio::time::sleep(every).await;
+        }
+    }
+
+    pub async fn close(self) {
+        let _ = self.conn.close(200, "bye".into()).await;
+    }
+}
+
+/// How the broker answered a run of publishes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Tally {
+    pub acked: u64,
+    pub nacked: u64,
+    pub returned: u64,
+}
+
+impl Tally {
+    fn add(&mut self, c: lapin::Result<Confirmation>) -> Result<()> {
+        match c.context("waiting for a publisher confirm")? {
+            Confirmation::Ack(None) | Confirmation::NotRequested => self.acked += 1,
+            Confirmation::Ack(Some(_)) => self.returned += 1,
+            Confirmation::Nack(_) => self.nacked += 1,
+        }
+        Ok(())
+    }
+
+    pub fn check(&self) -> Result<()> {
+        if self.nacked > 0 || self.returned > 0 {
+            bail!(
+                "broker nacked {} and returned {} messages",
+                self.nacked,
+                self.returned
+            );
+        }
+        Ok(())
+    }
+}
+
+type Confirming = Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>>;
+
+/// The fast way to drive lapin: each publish future is polled once right
+/// away — lapin queues the message's frames on that first poll, so they go
+/// out in publish order — and the rest of it (the I/O loop writing the
+/// frames, then the broker's confirm) is awaited concurrently with the next
+/// publishes, at most `window` at a time.
+pub async fn publish_pipelined(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    window: usize,
+    n: u64,
+    mut msg: impl FnMut(u64) -> (Vec<u8>, BasicProperties),
+) -> Result<Tally> {
+    let mut tally = Tally::default();
+    let mut pending: FuturesUnordered<Confirming> = FuturesUnordered::new();
+    for i in 0..n {
+        while pending.len() >= window {
+            if let Some(c) = pending.next().await {
+                tally.add(c)?;
+            }
+        }
+        let (body, props) = msg(i);
+        let ch = ch.clone();
+        let exchange = ShortString::from(exchange);
+        let routing_key = ShortString::from(routing_key);
+        let mut fut: Confirming = Box::pin(async move {
+            let confirm = ch
+                .basic_publish(
+                    exchange,
+                    routing_key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &body,
+                    props,
+                )
+                .await?;
+            confirm.await
+        });
+        match futures_util::poll!(fut.as_mut()) {
+            Poll::Ready(c) => tally.add(c)?,
+            Poll::Pending => pending.push(fut),
+        }
+    }
+    while let Some(c) = pending.next().await {
+        tally.add(c)?;
+    }
+    Ok(tally)
+}
+
+/// The naive way: await each `basic_publish` (lapin's I/O loop writing the
+/// frames) before issuing the next; confirms are still awaited concurrently
+/// within the window.
+pub async fn publish_awaiting_each(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    window: usize,
+    n: u64,
+    mut msg: impl FnMut(u64) -> (Vec<u8>, BasicProperties),
+) -> Result<Tally> {
+    let mut tally = Tally::default();
+    let mut pending = FuturesUnordered::new();
+    for i in 0..n {
+        while pending.len() >= window {
+            if let Some(c) = pending.next().await {
+                tally.add(c)?;
+            }
+        }
+        let (body, props) = msg(i);
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &body,
+                props,
+            )
+            .await?;
+        pending.push(confirm);
+    }
+    while let Some(c) = pending.next().await {
+        tally.add(c)?;
+    }
+    Ok(tally)
+}
+
+/// Consumes `queue` (no-ack) and sends `(message_id, arrival µs)` for every
+/// delivery.
+pub async fn consume_stamped(
+    conn: &Connection,
+    queue: &str,
+    tx: tokio::sync::mpsc::UnboundedSender<(String, i64)>,
+) -> Result<Channel> {
+    let ch = conn.create_channel().await?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "relay-bench-latency".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    tokio::spawn(async move {
+        while let Some(Ok(d)) = consumer.next().await {
+            let at = unix_us();
+            let id = d
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            if tx.send((id, at)).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(ch)
+}

@@ -1,0 +1,148 @@
+//! The broker's ceiling: bare publishers with confirms, the relay's window,
+//! message shape and queue, nothing else in the way.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+
+use crate::workload::{
+    ROUTING_KEY, aggregate_id, event_id, pad_len, payload, properties, unix_secs,
+};
+
+/// One publisher's run.
+#[derive(Debug, Clone, Serialize)]
+pub struct PublisherRun {
+    pub name: String,
+    pub description: String,
+    pub events: u64,
+    pub seconds: f64,
+    pub events_per_s: f64,
+    pub nacked: u64,
+    pub returned: u64,
+}
+
+pub const LAPIN_AWAIT_EACH: &str = "lapin, awaiting each publish";
+pub const LAPIN_PIPELINED: &str = "lapin, pipelined";
+pub const AMQPLIB: &str = "amqplib (Node)";
+
+/// lapin, one connection and channel in confirm mode; `pipelined` selects
+/// [`crate::amqp::publish_pipelined`] over
+/// [`crate::amqp::publish_awaiting_each`]. The clock runs from the first
+/// publish to the last confirm.
+pub async fn lapin(
+    url: &str,
+    exchange: &str,
+    window: usize,
+    n: u64,
+    pipelined: bool,
+) -> Result<PublisherRun> {
+    let conn = crate::amqp::connect(url, "relay-bench ceiling").await?;
+    let ch = crate::amqp::confirm_channel(&conn).await?;
+    let tag = if pipelined { 0xc1 } else { 0xc0 };
+    let ts = unix_secs();
+    // Bodies and properties are built inside the loop, as a real publisher
+    // (and the relay) does.
+    let msg = |i: u64| {
+        let i = i + 1;
+        (
+            payload(i).into_bytes(),
+            properties(&event_id(tag, i), &aggregate_id(i), ts),
+        )
+    };
+    let t = Instant::now();
+    let tally = if pipelined {
+        crate::amqp::publish_pipelined(&ch, exchange, ROUTING_KEY, window, n, msg).await?
+    } else {
+        crate::amqp::publish_awaiting_each(&ch, exchange, ROUTING_KEY, window, n, msg).await?
+    };
+    let seconds = t.elapsed().as_secs_f64();
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(PublisherRun {
+        name: if pipelined {
+            LAPIN_PIPELINED
+        } else {
+            LAPIN_AWAIT_EACH
+        }
+        .into(),
+        description: if pipelined {
+            "each basic_publish future polled once (frames queued in order), completions and confirms awaited concurrently, at most `window` unconfirmed".into()
+        } else {
+            "`basic_publish(..).await` before the next publish, confirms awaited concurrently, at most `window` unconfirmed".into()
+        },
+        events: n,
+        seconds,
+        events_per_s: n as f64 / seconds,
+        nacked: tally.nacked,
+        returned: tally.returned,
+    })
+}
+
+#[derive(serde::Deserialize)]
+struct NodeOut {
+    events: u64,
+    seconds: f64,
+    nacked: u64,
+    returned: u64,
+}
+
+/// Whether node and bench/amqplib/node_modules/amqplib are there.
+pub fn node_ready(node_dir: &str) -> Result<String, String> {
+    let version = crate::procs::command_output("node", &["--version"])
+        .ok_or_else(|| "node is not installed".to_owned())?;
+    let pkg = Path::new(node_dir).join("node_modules/amqplib/package.json");
+    let text = std::fs::read_to_string(&pkg)
+        .map_err(|_| format!("{} missing (npm install in {node_dir})", pkg.display()))?;
+    let amqplib = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v["version"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| "?".into());
+    Ok(format!("node {version}, amqplib {amqplib}"))
+}
+
+/// bench/amqplib/publish.js.
+pub async fn amqplib(
+    node_dir: &str,
+    url: &str,
+    exchange: &str,
+    window: usize,
+    n: u64,
+) -> Result<PublisherRun> {
+    let out = tokio::time::timeout(
+        Duration::from_secs(600),
+        tokio::process::Command::new("node")
+            .arg("publish.js")
+            .arg(url)
+            .arg(exchange)
+            .arg(ROUTING_KEY)
+            .arg(n.to_string())
+            .arg(window.to_string())
+            .arg(pad_len().to_string())
+            .current_dir(node_dir)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .context("amqplib publisher timed out")?
+    .context("running node publish.js")?;
+    if !out.status.success() {
+        bail!(
+            "node publish.js failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let r: NodeOut = serde_json::from_str(line.trim())
+        .with_context(|| format!("parsing publish.js output {line:?}"))?;
+    Ok(PublisherRun {
+        name: AMQPLIB.into(),
+        description: "ConfirmChannel, publish with a callback per message, at most `window` unconfirmed, waits for 'drain' when the socket buffer is full".into(),
+        events: r.events,
+        seconds: r.seconds,
+        events_per_s: r.events as f64 / r.seconds,
+        nacked: r.nacked,
+        returned: r.returned,
+    })
+}

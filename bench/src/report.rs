@@ -1,0 +1,935 @@
+//! report.json (every raw figure), report.md (tables, targets), chart.svg.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Result;
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use crate::Settings;
+use crate::ceiling::{AMQPLIB, LAPIN_AWAIT_EACH, LAPIN_PIPELINED};
+use crate::latency::LatencyRun;
+use crate::procs::command_output;
+use crate::run::QueueTypeResult;
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Machine {
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub memory_gib: f64,
+    pub kernel: String,
+    pub os: String,
+    pub postgresql: String,
+    pub rabbitmq: String,
+    pub lapin: String,
+    pub node: String,
+    pub relay_commit: String,
+    pub load_before: String,
+    pub load_after: String,
+}
+
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+impl Machine {
+    pub async fn collect(pg: &Client) -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_owned())
+            .unwrap_or_else(|| "unknown".into());
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let mem_kb: f64 = meminfo
+            .lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        let os = std::fs::read_to_string("/etc/os-release")
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+            .map(|v| v.trim_matches('"').to_owned())
+            .unwrap_or_default();
+        let lapin = include_str!("../Cargo.lock")
+            .split("[[package]]")
+            .find(|p| p.contains("name = \"lapin\""))
+            .and_then(|p| p.lines().find_map(|l| l.strip_prefix("version = ")))
+            .map(|v| v.trim_matches('"').to_owned())
+            .unwrap_or_default();
+        let commit = command_output("git", &["rev-parse", "--short", "HEAD"]).unwrap_or_default();
+        let dirty = command_output("git", &["status", "--porcelain", "--", "src", "Cargo.toml"])
+            .map(|s| !s.is_empty())
+            .unwrap_or(false);
+        Machine {
+            nproc: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            cpu_model,
+            memory_gib: mem_kb / 1024.0 / 1024.0,
+            kernel: command_output("uname", &["-sr"]).unwrap_or_default(),
+            os,
+            postgresql: crate::pg::version(pg).await.unwrap_or_default(),
+            rabbitmq: command_output("dpkg-query", &["-W", "-f=${Version}", "rabbitmq-server"])
+                .unwrap_or_else(|| "unknown".into()),
+            lapin,
+            node: String::new(),
+            relay_commit: if dirty {
+                format!("{commit} + uncommitted changes in src/")
+            } else {
+                commit
+            },
+            load_before: loadavg(),
+            load_after: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    pub name: String,
+    pub threshold: String,
+    pub measured: String,
+    /// None: not measured in this run.
+    pub met: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub started_at: String,
+    pub duration_seconds: f64,
+    pub settings: Settings,
+    pub machine: Machine,
+    pub queue_types: Vec<QueueTypeResult>,
+    pub latency: Vec<LatencyRun>,
+    pub claim_sql: String,
+    pub mark_sql: String,
+    pub claim_explain: String,
+    pub targets: Vec<Target>,
+}
+
+fn latency_at<'a>(r: &'a Report, design: &str, rate: u64) -> Option<&'a LatencyRun> {
+    r.latency
+        .iter()
+        .find(|l| l.design == design && l.target_rate == rate)
+}
+
+fn targets(r: &Report) -> Vec<Target> {
+    let mut t = Vec::new();
+    for q in &r.queue_types {
+        let (relay, ceiling) = (q.relay.as_ref(), q.ceiling());
+        t.push(Target {
+            name: format!("relay drain ≥ 0.9 × broker ceiling ({})", q.queue_type),
+            threshold: "≥ 0.90".into(),
+            measured: match (relay, ceiling) {
+                (Some(d), Some(c)) => format!(
+                    "{:.2} ({:.0} / {:.0} events/s, {})",
+                    d.events_per_s / c.events_per_s,
+                    d.events_per_s,
+                    c.events_per_s,
+                    c.name
+                ),
+                _ => "not measured".into(),
+            },
+            met: match (relay, ceiling) {
+                (Some(d), Some(c)) => Some(d.events_per_s >= 0.9 * c.events_per_s),
+                _ => None,
+            },
+        });
+    }
+    for q in &r.queue_types {
+        let (relay, poll) = (q.relay.as_ref(), q.polling.as_ref());
+        t.push(Target {
+            name: format!("relay drain ≥ 2.5 × polling drain ({})", q.queue_type),
+            threshold: "≥ 2.5".into(),
+            measured: match (relay, poll) {
+                (Some(d), Some(p)) => format!(
+                    "{:.2} ({:.0} / {:.0} events/s)",
+                    d.events_per_s / p.events_per_s,
+                    d.events_per_s,
+                    p.events_per_s
+                ),
+                _ => "not measured".into(),
+            },
+            met: match (relay, poll) {
+                (Some(d), Some(p)) => Some(d.events_per_s >= 2.5 * p.events_per_s),
+                _ => None,
+            },
+        });
+    }
+    let (rl, pl) = (latency_at(r, "relay", 1000), latency_at(r, "polling", 1000));
+    t.push(Target {
+        name: "p99 commit-to-confirm at 1,000 events/s: polling ÷ relay".into(),
+        threshold: "≥ 4".into(),
+        measured: match (rl, pl) {
+            (Some(a), Some(b)) if a.commit_to_confirm.p99_ms > 0.0 => format!(
+                "{:.1} (polling {:.1} ms measured / relay {:.1} ms estimated)",
+                b.commit_to_confirm.p99_ms / a.commit_to_confirm.p99_ms,
+                b.commit_to_confirm.p99_ms,
+                a.commit_to_confirm.p99_ms
+            ),
+            _ => "not measured".into(),
+        },
+        met: match (rl, pl) {
+            (Some(a), Some(b)) if a.commit_to_confirm.p99_ms > 0.0 => {
+                Some(b.commit_to_confirm.p99_ms >= 4.0 * a.commit_to_confirm.p99_ms)
+            }
+            _ => None,
+        },
+    });
+    let drains: Vec<_> = r
+        .queue_types
+        .iter()
+        .filter_map(|q| q.relay.as_ref().map(|d| (q, d)))
+        .collect();
+    let worst_cpu = drains.iter().max_by(|a, b| {
+        a.1.cpu_seconds_per_100k
+            .total_cmp(&b.1.cpu_seconds_per_100k)
+    });
+    t.push(Target {
+        name: "relay CPU per 100,000 events (drain, worst queue type)".into(),
+        threshold: "< 1.0 s".into(),
+        measured: worst_cpu.map_or("not measured".into(), |(q, d)| {
+            format!("{:.2} s ({})", d.cpu_seconds_per_100k, q.queue_type)
+        }),
+        met: worst_cpu.map(|(_, d)| d.cpu_seconds_per_100k < 1.0),
+    });
+    let worst_rss = drains.iter().max_by_key(|(_, d)| d.peak_rss_bytes);
+    t.push(Target {
+        name: "relay peak RSS during the drain (worst queue type)".into(),
+        threshold: "< 64 MB".into(),
+        measured: worst_rss.map_or("not measured".into(), |(q, d)| {
+            format!("{:.1} MB ({})", mb(d.peak_rss_bytes), q.queue_type)
+        }),
+        met: worst_rss.map(|(_, d)| d.peak_rss_bytes < 64 * 1024 * 1024),
+    });
+    t
+}
+
+fn mb(b: u64) -> f64 {
+    b as f64 / 1024.0 / 1024.0
+}
+
+fn num(v: f64) -> String {
+    if !v.is_finite() {
+        return "–".into();
+    }
+    let s = format!("{:.0}", v);
+    let (sign, digits) = s.strip_prefix('-').map_or(("", s.as_str()), |d| ("-", d));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    format!("{sign}{out}")
+}
+
+fn ms(v: f64) -> String {
+    if !v.is_finite() {
+        "–".into()
+    } else if v < 10.0 {
+        format!("{v:.2}")
+    } else if v < 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+fn met(m: Option<bool>) -> &'static str {
+    match m {
+        Some(true) => "**met**",
+        Some(false) => "**not met**",
+        None => "not measured",
+    }
+}
+
+fn publisher<'a>(q: &'a QueueTypeResult, name: &str) -> Option<&'a crate::ceiling::PublisherRun> {
+    q.publishers.iter().find(|p| p.name == name)
+}
+
+fn targets_md(r: &Report) -> String {
+    let mut m = String::new();
+    m.push_str("| target | threshold | measured | result |\n|---|---|---|---|\n");
+    for t in &r.targets {
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} | {} |",
+            t.name,
+            t.threshold,
+            t.measured,
+            met(t.met)
+        );
+    }
+    m
+}
+
+fn throughput_md(r: &Report) -> String {
+    let mut m = String::new();
+    let qts: Vec<&QueueTypeResult> = r.queue_types.iter().collect();
+    let _ = write!(m, "| events/s |");
+    for q in &qts {
+        let _ = write!(m, " {} queue |", q.queue_type);
+    }
+    m.push_str("\n|---|");
+    for _ in &qts {
+        m.push_str("---:|");
+    }
+    m.push('\n');
+    let row = |m: &mut String, label: &str, f: &dyn Fn(&QueueTypeResult) -> String| {
+        let _ = write!(m, "| {label} |");
+        for q in &qts {
+            let _ = write!(m, " {} |", f(q));
+        }
+        m.push('\n');
+    };
+    let opt = |v: Option<f64>| v.map_or("–".into(), num);
+    row(
+        &mut m,
+        "**relay drain** (process start → queue holds all)",
+        &|q| format!("**{}**", opt(q.relay.as_ref().map(|d| d.events_per_s))),
+    );
+    row(
+        &mut m,
+        "relay drain, first message → all (start-up excluded)",
+        &|q| opt(q.relay.as_ref().map(|d| d.events_per_s_after_first)),
+    );
+    row(
+        &mut m,
+        "PostgreSQL decode limit: pg_recvlogical, pgoutput (rows/s)",
+        &|q| opt(q.decode.as_ref().map(|d| d.rows_per_s)),
+    );
+    for name in [LAPIN_AWAIT_EACH, LAPIN_PIPELINED, AMQPLIB] {
+        row(&mut m, &format!("broker: {name}"), &|q| {
+            opt(publisher(q, name).map(|p| p.events_per_s))
+        });
+    }
+    row(
+        &mut m,
+        "**broker ceiling** (fastest bare publisher)",
+        &|q| {
+            q.ceiling().map_or("–".into(), |c| {
+                format!("**{}** ({})", num(c.events_per_s), c.name)
+            })
+        },
+    );
+    row(
+        &mut m,
+        "**polling dispatcher drain** (process start → queue holds all)",
+        &|q| format!("**{}**", opt(q.polling.as_ref().map(|d| d.events_per_s))),
+    );
+    row(
+        &mut m,
+        "ratio relay / broker ceiling",
+        &|q| match (&q.relay, q.ceiling()) {
+            (Some(d), Some(c)) => format!("{:.2}", d.events_per_s / c.events_per_s),
+            _ => "–".into(),
+        },
+    );
+    row(
+        &mut m,
+        "ratio relay / PostgreSQL decode",
+        &|q| match (&q.relay, &q.decode) {
+            (Some(d), Some(c)) => format!("{:.2}", d.events_per_s / c.rows_per_s),
+            _ => "–".into(),
+        },
+    );
+    row(
+        &mut m,
+        "ratio relay / polling",
+        &|q| match (&q.relay, &q.polling) {
+            (Some(d), Some(p)) => format!("{:.2}", d.events_per_s / p.events_per_s),
+            _ => "–".into(),
+        },
+    );
+    row(
+        &mut m,
+        "ratio broker ceiling / polling (the most any relay could reach)",
+        &|q| match (q.ceiling(), &q.polling) {
+            (Some(c), Some(p)) => format!("{:.2}", c.events_per_s / p.events_per_s),
+            _ => "–".into(),
+        },
+    );
+    row(
+        &mut m,
+        "ratio lapin pipelined / lapin awaiting each",
+        &|q| match (
+            publisher(q, LAPIN_PIPELINED),
+            publisher(q, LAPIN_AWAIT_EACH),
+        ) {
+            (Some(a), Some(b)) => format!("{:.2}", a.events_per_s / b.events_per_s),
+            _ => "–".into(),
+        },
+    );
+    row(&mut m, "ratio lapin pipelined / amqplib", &|q| match (
+        publisher(q, LAPIN_PIPELINED),
+        publisher(q, AMQPLIB),
+    ) {
+        (Some(a), Some(b)) => format!("{:.2}", a.events_per_s / b.events_per_s),
+        _ => "–".into(),
+    });
+    m
+}
+
+fn passes_md(r: &Report) -> String {
+    let mut m = String::new();
+    let n = r.settings.passes as usize;
+    m.push_str("| events/s, every pass |");
+    for i in 1..=n {
+        let _ = write!(m, " pass {i} |");
+    }
+    m.push_str("\n|---|");
+    for _ in 0..n {
+        m.push_str("---:|");
+    }
+    m.push('\n');
+    for q in &r.queue_types {
+        let _ = write!(m, "| relay drain, {} queue |", q.queue_type);
+        for d in &q.relay_passes {
+            let _ = write!(m, " {} |", num(d.events_per_s));
+        }
+        m.push('\n');
+        for name in [LAPIN_AWAIT_EACH, LAPIN_PIPELINED, AMQPLIB] {
+            let runs: Vec<_> = q
+                .publisher_passes
+                .iter()
+                .filter(|p| p.name == name)
+                .collect();
+            if runs.is_empty() {
+                continue;
+            }
+            let _ = write!(m, "| {name}, {} queue |", q.queue_type);
+            for p in runs {
+                let _ = write!(m, " {} |", num(p.events_per_s));
+            }
+            m.push('\n');
+        }
+    }
+    m
+}
+
+fn cost_md(r: &Report) -> String {
+    let mut m = String::new();
+    m.push_str("| | CPU s per 100k events (process) | peak RSS (VmHWM) | WAL bytes/event: commit | WAL bytes/event: drain | WAL bytes/event: total |\n|---|---:|---:|---:|---:|---:|\n");
+    for q in &r.queue_types {
+        for (label, d) in [("relay", &q.relay), ("polling dispatcher", &q.polling)] {
+            if let Some(d) = d {
+                let _ = writeln!(
+                    m,
+                    "| {label}, {} queue | {:.2} | {:.1} MB | {:.0} | {:.0} | **{:.0}** |",
+                    q.queue_type,
+                    d.cpu_seconds_per_100k,
+                    mb(d.peak_rss_bytes),
+                    d.insert_wal_bytes as f64 / d.events as f64,
+                    d.drain_wal_bytes as f64 / d.events as f64,
+                    d.wal_bytes_per_event
+                );
+            }
+        }
+    }
+    for q in &r.queue_types {
+        if let (Some(a), Some(b)) = (&q.relay, &q.polling) {
+            let _ = writeln!(
+                m,
+                "| ratio polling / relay, {} queue | | | | | {:.2} |",
+                q.queue_type,
+                b.wal_bytes_per_event / a.wal_bytes_per_event
+            );
+        }
+    }
+    m
+}
+
+fn latency_md(r: &Report) -> String {
+    let mut m = String::new();
+    m.push_str("| design | rate (target → achieved) | events | commit→consume p50 / p99 / max (ms) | commit→confirm p50 / p99 / max (ms) | process CPU s per 100k |\n|---|---|---:|---|---|---:|\n");
+    for l in &r.latency {
+        let c = &l.commit_to_consume;
+        let f = &l.commit_to_confirm;
+        let _ = writeln!(
+            m,
+            "| {} | {} → {:.0} /s | {}{} | {} / **{}** / {} | {} / **{}** / {} {} | {:.2} |",
+            l.design,
+            num(l.target_rate as f64),
+            l.achieved_rate,
+            num(l.events as f64),
+            if l.missing > 0 {
+                format!(" ({} missing)", l.missing)
+            } else {
+                String::new()
+            },
+            ms(c.p50_ms),
+            ms(c.p99_ms),
+            ms(c.max_ms),
+            ms(f.p50_ms),
+            ms(f.p99_ms),
+            ms(f.max_ms),
+            if l.commit_to_confirm_measured {
+                "(measured)"
+            } else {
+                "(estimate)"
+            },
+            if l.events > 0 {
+                l.process_cpu_seconds / l.events as f64 * 100_000.0
+            } else {
+                0.0
+            }
+        );
+    }
+    let rates: Vec<u64> = {
+        let mut v: Vec<u64> = r.latency.iter().map(|l| l.target_rate).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    for rate in rates {
+        if let (Some(a), Some(b)) = (latency_at(r, "relay", rate), latency_at(r, "polling", rate)) {
+            let _ = writeln!(
+                m,
+                "| ratio polling / relay at {} /s | | | p50 {:.1}× · p99 **{:.1}×** | p50 {:.1}× · p99 **{:.1}×** | |",
+                num(rate as f64),
+                b.commit_to_consume.p50_ms / a.commit_to_consume.p50_ms,
+                b.commit_to_consume.p99_ms / a.commit_to_consume.p99_ms,
+                b.commit_to_confirm.p50_ms / a.commit_to_confirm.p50_ms,
+                b.commit_to_confirm.p99_ms / a.commit_to_confirm.p99_ms,
+            );
+        }
+    }
+    m
+}
+
+fn confirm_hist_md(r: &Report) -> String {
+    let mut m = String::new();
+    m.push_str("| rate | confirms | mean (ms) | p50 (ms, interpolated; bucket ≤) | p99 (ms, interpolated; bucket ≤) |\n|---|---:|---:|---|---|\n");
+    for l in r.latency.iter().filter(|l| l.design == "relay") {
+        if let Some(h) = &l.publish_to_confirm {
+            let _ = writeln!(
+                m,
+                "| {} /s | {} | {} | {} (≤ {}) | {} (≤ {}) |",
+                num(l.target_rate as f64),
+                num(h.count),
+                ms(h.mean_ms),
+                ms(h.p50_ms),
+                ms(h.p50_bucket_le_ms),
+                ms(h.p99_ms),
+                ms(h.p99_bucket_le_ms)
+            );
+        }
+    }
+    m
+}
+
+fn markdown(r: &Report) -> String {
+    let s = &r.settings;
+    let mc = &r.machine;
+    let mut m = String::new();
+    let _ = writeln!(m, "# outbox-relay benchmark\n");
+    let _ = writeln!(
+        m,
+        "Run {} (took {:.1} min) by `make bench`. Relay: `{}` at {}. Raw figures: `report.json`; chart: `chart.svg`.\n",
+        r.started_at,
+        r.duration_seconds / 60.0,
+        s.relay_bin,
+        mc.relay_commit
+    );
+    let _ = writeln!(
+        m,
+        "Workload: {} events per drain, committed in {}-row transactions while nothing reads them; 300-byte JSON payloads; \
+         confirm window {} for every publisher; polling claims {} rows per round, sleeps {} ms when idle; latency runs of {} s at {} events/s on a {} queue.\n",
+        num(s.events as f64),
+        s.tx_rows,
+        s.window,
+        s.poll_batch,
+        s.poll_interval_ms,
+        s.seconds,
+        s.rates
+            .iter()
+            .map(|v| num(*v as f64))
+            .collect::<Vec<_>>()
+            .join(" and "),
+        s.latency_queue_type
+    );
+    let _ = writeln!(
+        m,
+        "Machine: {} CPUs ({}), {:.1} GiB memory, {}, {}; PostgreSQL {}, RabbitMQ {}, lapin {}, {}. \
+         Load average before / after: {} / {}. Servers, relay, publishers and load generator all share these cores.\n",
+        mc.nproc,
+        mc.cpu_model,
+        mc.memory_gib,
+        mc.os,
+        mc.kernel,
+        mc.postgresql,
+        mc.rabbitmq,
+        mc.lapin,
+        mc.node,
+        mc.load_before,
+        mc.load_after
+    );
+    let busy = |l: &str| {
+        l.split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .is_some_and(|v| v > 0.5 * mc.nproc as f64)
+    };
+    if busy(&mc.load_before) {
+        let _ = writeln!(
+            m,
+            "**Note:** the machine was already busy when the run started (1-minute load average {} on {} CPUs): other processes competed for the cores, so throughput is understated and latency tails are noisier than on an idle machine.\n",
+            mc.load_before.split_whitespace().next().unwrap_or("?"),
+            mc.nproc
+        );
+    }
+    let _ = writeln!(m, "## Targets\n\n{}", targets_md(r));
+    let _ = writeln!(
+        m,
+        "## Throughput\n\nBest of {} interleaved passes (relay drain, then each bare publisher, again); polling: one drain.\n\n{}",
+        s.passes,
+        throughput_md(r)
+    );
+    if s.passes > 1 {
+        let _ = writeln!(m, "{}", passes_md(r));
+    }
+    for q in &r.queue_types {
+        for sk in &q.skipped_publishers {
+            let _ = writeln!(m, "- {} queue: not run: {sk}", q.queue_type);
+        }
+    }
+    let _ = writeln!(m, "## Cost\n\n{}", cost_md(r));
+    let _ = writeln!(
+        m,
+        "WAL is `pg_current_wal_insert_lsn()` before and after, divided by the events: *commit* is the application's INSERTs \
+         (the polling table carries its status columns and the partial index), *drain* is what the design writes afterwards \
+         (polling: the claim and mark-published UPDATEs, including the index maintenance; relay: its checkpoint row, at most once a second). \
+         The throwaway server runs with `full_page_writes = off`: with the default `on`, the polling design's UPDATEs would also log full-page images after every checkpoint, and its WAL figure would be higher.\n"
+    );
+    if !r.latency.is_empty() {
+        let _ = writeln!(
+            m,
+            "## Latency under load ({} queue)\n\n{}",
+            s.latency_queue_type,
+            latency_md(r)
+        );
+        let _ = writeln!(
+            m,
+            "The relay's own `outbox_relay_confirm_latency_seconds` (publish → broker confirm) over each run:\n\n{}",
+            confirm_hist_md(r)
+        );
+        let _ = writeln!(m, "### What each latency measures\n");
+        let _ = writeln!(
+            m,
+            "- **commit→consume** (both designs, measured per event): the producer stamps each event id with the wall clock right after its `COMMIT` returns; \
+             a consumer on the queue (same process, no-ack) stamps each delivery. Clock: `SystemTime` on this machine.\n\
+             - **commit→confirm, polling** (measured per event): from the same COMMIT stamp to the moment the dispatcher's mark-published `UPDATE` returned — \
+             it runs after every message of the batch was confirmed by the broker, so it is when the outbox row is known to be delivered.\n\
+             - **commit→confirm, relay** (estimate): the relay does not expose per-event confirm times. It is estimated as the commit→consume quantile plus the \
+             quantile of the relay's publish→confirm histogram (interpolated inside its buckets). Since a message is published before it can be consumed, \
+             commit→publish < commit→consume, so the estimate leans high (it counts the broker's routing twice); p90 and max are not estimated.\n\
+             - Producers: {} connections, transactions of 1–10 rows (uniform), scheduled evenly at the target rate; \"achieved\" is events ÷ wall time. \
+             The polling dispatcher runs continuously: when a claim returns rows it claims again at once; when it returns none it sleeps {} ms.\n",
+            4, s.poll_interval_ms
+        );
+    }
+    let _ = writeln!(
+        m,
+        "## Polling baseline: the claim\n\nThe dispatcher's loop (one dispatcher, so that messages keep commit order like the relay's single channel):\n\n```sql\n-- claim ($1 = dispatcher id)\n{}\n-- publish every row with confirms (lapin, pipelined, window {}), then\n{}\n```\n\n\
+         Partial index `CREATE INDEX … ON outbox_poll (created_at) WHERE status = 'pending'`. \
+         `EXPLAIN (ANALYZE, BUFFERS)` of the claim on the freshly loaded table ({} pending rows, after `VACUUM ANALYZE`; rolled back):\n\n```\n{}```\n",
+        r.claim_sql,
+        s.window,
+        r.mark_sql,
+        num(s.events as f64),
+        r.claim_explain
+    );
+    let _ = writeln!(m, "## Method\n");
+    let _ = writeln!(
+        m,
+        "- One pair of throwaway servers (`integration/servers.sh with`: PostgreSQL with `fsync = off`, `synchronous_commit = off`, `full_page_writes = off`; \
+         a private RabbitMQ node) for everything; each scenario starts from an empty durable queue bound with `#` to a durable topic exchange; a `CHECKPOINT` precedes each drain.\n\
+         - The application's sessions (backlog, producers, polling dispatcher) commit with `synchronous_commit = on`, PostgreSQL's default: with the server's `off`, \
+         a commit's WAL is flushed only by the WAL writer every 200 ms, and logical decoding (which reads flushed WAL only) would wait for it — \
+         a latency the relay would not have on a default server. With `fsync = off` such a flush is a write(), not an fsync.\n\
+         - **Backlog drain**: the slot is created by `outbox-relay setup`, the events are committed while no relay runs, then `outbox-relay run` starts; \
+         the clock runs from process start until a passive `queue.declare` (every 20 ms, no consumer attached) reports every event in the queue. \
+         CPU is utime+stime from `/proc/PID/stat` and peak RSS is `VmHWM`, both read at that moment.\n\
+         - **PostgreSQL decode limit**: a second pgoutput slot created before the inserts, streamed by `pg_recvlogical -o proto_version=1 -o publication_names=…` \
+         up to the WAL position after the inserts (`--endpos`) into /dev/null.\n\
+         - **Broker ceiling**: bare publishers, one connection and one confirm-mode channel each, same exchange, queue, window, `mandatory`, properties \
+         (persistent, message_id, type, content_type, timestamp, headers aggregate_type and aggregate_id) and 300-byte body; clock from the first publish \
+         to the last confirm; the ceiling is the fastest. *lapin, awaiting each publish* awaits `basic_publish(..).await` (lapin pushes the frames on the \
+         first poll, then waits for its I/O loop to write them) before the next publish, so every message waits for the I/O thread; *lapin, pipelined* polls \
+         each publish future once (frames queued in order) and awaits completions and confirms concurrently, bounded by the window; *amqplib* is Node's \
+         ConfirmChannel with a callback per publish.\n\
+         - **Order**: per queue type: backlog, decode, then {} pass(es) of [relay drain (a slot of its own per pass, all created before the inserts, so every pass reads the same WAL), \
+         lapin awaiting each, lapin pipelined, amqplib], then the polling backlog and drain. The latency runs come last, on tables, a queue and a relay slot of their own; \
+         the relay is started first and the runs begin once its slot has caught up with the current WAL position.\n\
+         - **Polling baseline**: the same events committed into a table with `status`, `attempts`, `claimed_by`, `claimed_at`; the dispatcher is a separate \
+         process (`relay-bench dispatch`), timed the same way as the relay.\n",
+        s.passes
+    );
+    m
+}
+
+// ------------------------------------------------------------------ SVG
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+const RELAY: &str = "#1f77b4";
+const POLLING: &str = "#d62728";
+const BROKER: &str = "#7f7f7f";
+const DECODE: &str = "#2ca02c";
+
+fn svg(r: &Report) -> String {
+    let width = 1060.0;
+    let label_w = 330.0;
+    let bar_w = width - label_w - 170.0;
+    let row_h = 22.0;
+    let mut rows: Vec<(String, f64, &str)> = Vec::new();
+    for q in &r.queue_types {
+        let qt = &q.queue_type;
+        if let Some(d) = &q.relay {
+            rows.push((format!("relay drain ({qt})"), d.events_per_s, RELAY));
+        }
+        if let Some(d) = &q.polling {
+            rows.push((
+                format!("polling dispatcher drain ({qt})"),
+                d.events_per_s,
+                POLLING,
+            ));
+        }
+        for p in &q.publishers {
+            rows.push((format!("broker: {} ({qt})", p.name), p.events_per_s, BROKER));
+        }
+        if let Some(d) = &q.decode {
+            rows.push((
+                format!("PostgreSQL decode, pg_recvlogical ({qt})"),
+                d.rows_per_s,
+                DECODE,
+            ));
+        }
+    }
+    // The scale is set by the designs and the broker; PostgreSQL's decode
+    // rate, usually far higher, is drawn cut off with its value.
+    let max = rows
+        .iter()
+        .filter(|r| r.2 != DECODE)
+        .map(|r| r.1)
+        .fold(1.0, f64::max)
+        * 1.15;
+    // Latency rows: (label, p50, p99, max) in ms.
+    let mut lrows: Vec<(String, f64, f64, f64, &str)> = Vec::new();
+    for l in &r.latency {
+        let color = if l.design == "relay" { RELAY } else { POLLING };
+        let c = &l.commit_to_consume;
+        lrows.push((
+            format!(
+                "{} @ {}/s: commit→consume",
+                l.design,
+                num(l.target_rate as f64)
+            ),
+            c.p50_ms,
+            c.p99_ms,
+            c.max_ms,
+            color,
+        ));
+        let f = &l.commit_to_confirm;
+        lrows.push((
+            format!(
+                "{} @ {}/s: commit→confirm{}",
+                l.design,
+                num(l.target_rate as f64),
+                if l.commit_to_confirm_measured {
+                    ""
+                } else {
+                    " (est.)"
+                }
+            ),
+            f.p50_ms,
+            f.p99_ms,
+            f.max_ms,
+            color,
+        ));
+    }
+    let top1 = 82.0;
+    let h1 = rows.len() as f64 * row_h;
+    let top2 = top1 + h1 + 90.0;
+    let h2 = lrows.len() as f64 * row_h;
+    let height = top2 + h2 + 70.0;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="10" y="24" font-size="16" font-weight="bold">outbox-relay benchmark — {}</text>"#,
+        esc(&r.started_at)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="10" y="{}" font-size="14" font-weight="bold">Throughput, events/s ({} events; higher is better)</text>"#,
+        top1 - 32.0,
+        num(r.settings.events as f64)
+    );
+    for (i, (color, what)) in [
+        (RELAY, "relay"),
+        (POLLING, "polling dispatcher"),
+        (BROKER, "bare publishers (broker ceiling)"),
+        (DECODE, "PostgreSQL decode limit"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let x = 10.0 + i as f64 * 240.0;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{color}"/><text x="{}" y="{}">{what}</text>"#,
+            top1 - 24.0,
+            x + 16.0,
+            top1 - 14.0
+        );
+    }
+    for (i, (label, v, color)) in rows.iter().enumerate() {
+        let y = top1 + i as f64 * row_h;
+        let cut = *v > max;
+        let w = (v.min(max) / max * bar_w).max(1.0);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{}</text><rect x="{label_w}" y="{}" width="{w:.1}" height="{}" fill="{color}"/><text x="{}" y="{}">{}</text>"#,
+            label_w - 8.0,
+            y + 15.0,
+            esc(label),
+            y + 3.0,
+            row_h - 6.0,
+            label_w + w + 5.0,
+            y + 15.0,
+            if cut {
+                format!("» {} (off scale)", num(*v))
+            } else {
+                num(*v)
+            }
+        );
+    }
+    if !lrows.is_empty() {
+        let _ = writeln!(
+            s,
+            r#"<text x="10" y="{}" font-size="14" font-weight="bold">Latency under load, ms, log scale ({} queue; lower is better)</text>"#,
+            top2 - 30.0,
+            esc(&r.settings.latency_queue_type)
+        );
+        let _ = writeln!(
+            s,
+            r##"<text x="10" y="{}" fill="#444">dark: p50 · medium: p99 · light: max (relay commit→confirm: estimated p50 and p99 only)</text>"##,
+            top2 - 12.0
+        );
+        let lo: f64 = 0.1;
+        let hi = lrows
+            .iter()
+            .flat_map(|r| [r.1, r.2, r.3])
+            .filter(|v| v.is_finite())
+            .fold(10.0, f64::max)
+            * 1.5;
+        let x = |v: f64| {
+            let v = v.max(lo);
+            label_w + (v.ln() - lo.ln()) / (hi.ln() - lo.ln()) * bar_w
+        };
+        // Decade grid lines.
+        let mut d = lo;
+        while d <= hi {
+            let gx = x(d);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{gx:.1}" y1="{}" x2="{gx:.1}" y2="{}" stroke="#ddd"/><text x="{gx:.1}" y="{}" text-anchor="middle" fill="#666">{}</text>"##,
+                top2 - 4.0,
+                top2 + h2,
+                top2 + h2 + 14.0,
+                if d < 1.0 { format!("{d}") } else { num(d) }
+            );
+            d *= 10.0;
+        }
+        for (i, (label, p50, p99, pmax, color)) in lrows.iter().enumerate() {
+            let y = top2 + i as f64 * row_h;
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
+                label_w - 8.0,
+                y + 15.0,
+                esc(label)
+            );
+            for (v, op) in [(*pmax, 0.25), (*p99, 0.55), (*p50, 1.0)] {
+                if v.is_finite() && v > 0.0 {
+                    let _ = writeln!(
+                        s,
+                        r#"<rect x="{label_w}" y="{}" width="{:.1}" height="{}" fill="{color}" fill-opacity="{op}"/>"#,
+                        y + 3.0,
+                        (x(v) - label_w).max(1.0),
+                        row_h - 6.0
+                    );
+                }
+            }
+            let end = [*pmax, *p99, *p50]
+                .into_iter()
+                .find(|v| v.is_finite() && *v > 0.0)
+                .unwrap_or(lo);
+            let _ = writeln!(
+                s,
+                r##"<text x="{:.1}" y="{}" fill="#333">{} / {} / {}</text>"##,
+                x(end) + 5.0,
+                y + 15.0,
+                ms(*p50),
+                ms(*p99),
+                ms(*pmax)
+            );
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+pub fn write(mut r: Report, out_dir: &str) -> Result<()> {
+    r.targets = targets(&r);
+    let dir = Path::new(out_dir);
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("report.json"), serde_json::to_vec_pretty(&r)?)?;
+    std::fs::write(dir.join("report.md"), markdown(&r))?;
+    std::fs::write(dir.join("chart.svg"), svg(&r))?;
+    println!("\n## Throughput\n\n{}", throughput_md(&r));
+    if !r.latency.is_empty() {
+        println!(
+            "## Latency ({} queue)\n\n{}",
+            r.settings.latency_queue_type,
+            latency_md(&r)
+        );
+    }
+    println!("## Cost\n\n{}", cost_md(&r));
+    println!("## Targets\n\n{}", targets_md(&r));
+    for t in &r.targets {
+        println!(
+            "target {}: {} — {} (threshold {})",
+            match t.met {
+                Some(true) => "MET",
+                Some(false) => "NOT MET",
+                None => "NOT MEASURED",
+            },
+            t.name,
+            t.measured,
+            t.threshold
+        );
+    }
+    println!(
+        "\nreport: {0}/report.md, {0}/report.json, {0}/chart.svg (took {1:.1} min)",
+        out_dir,
+        r.duration_seconds / 60.0
+    );
+    Ok(())
+}

@@ -1,0 +1,526 @@
+//! `relay-bench run`: every scenario, in order, then the report.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use crate::Settings;
+use crate::ceiling::PublisherRun;
+use crate::latency::LatencyRun;
+use crate::polling::{DispatchArgs, Dispatcher, claim_sql};
+use crate::relay::{RelayConfig, metric_value};
+use crate::report::{Machine, Report};
+
+/// Names of everything one queue type uses.
+pub struct Names {
+    pub queue_type: String,
+    pub exchange: String,
+    pub queue: String,
+    pub table: String,
+    pub slot: String,
+    pub publication: String,
+    pub recv_slot: String,
+    pub poll_table: String,
+}
+
+impl Names {
+    /// Names ending in `_<tag>`, for a queue of type `qt`.
+    fn new(qt: &str, tag: &str) -> Names {
+        Names {
+            queue_type: qt.into(),
+            exchange: format!("bench_ex_{tag}"),
+            queue: format!("bench_q_{tag}"),
+            table: format!("bench_outbox_{tag}"),
+            slot: format!("bench_slot_{tag}"),
+            publication: format!("bench_pub_{tag}"),
+            recv_slot: format!("bench_recv_{tag}"),
+            poll_table: format!("bench_poll_{tag}"),
+        }
+    }
+}
+
+/// A drain: N events already committed, a process started, the queue
+/// filling up.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Drain {
+    pub events: u64,
+    /// Process start → the queue holds every event.
+    pub seconds: f64,
+    pub events_per_s: f64,
+    /// First message in the queue → every event (start-up excluded).
+    pub seconds_after_first: f64,
+    pub events_per_s_after_first: f64,
+    pub cpu_seconds: f64,
+    pub cpu_seconds_per_100k: f64,
+    pub peak_rss_bytes: u64,
+    /// WAL written while committing the backlog.
+    pub insert_wal_bytes: u64,
+    pub insert_seconds: f64,
+    /// WAL written while draining (the dispatcher's UPDATEs; the relay's
+    /// checkpoint row).
+    pub drain_wal_bytes: u64,
+    /// (insert + drain) / events.
+    pub wal_bytes_per_event: f64,
+}
+
+/// pg_recvlogical over the backlog's WAL.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Decode {
+    pub rows: u64,
+    pub wal_bytes: u64,
+    pub seconds: f64,
+    pub rows_per_s: f64,
+}
+
+/// Everything measured on one queue type.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct QueueTypeResult {
+    pub queue_type: String,
+    pub events: u64,
+    pub decode: Option<Decode>,
+    /// The fastest of `relay_passes`.
+    pub relay: Option<Drain>,
+    pub relay_passes: Vec<Drain>,
+    pub relay_published_metric: Option<f64>,
+    /// The fastest run of each publisher.
+    pub publishers: Vec<PublisherRun>,
+    pub publisher_passes: Vec<PublisherRun>,
+    pub skipped_publishers: Vec<String>,
+    pub polling: Option<Drain>,
+    pub polling_batches: u64,
+    pub polling_claim_seconds: f64,
+    pub polling_publish_seconds: f64,
+    pub polling_mark_seconds: f64,
+}
+
+impl QueueTypeResult {
+    /// The fastest bare publisher.
+    pub fn ceiling(&self) -> Option<&PublisherRun> {
+        self.publishers
+            .iter()
+            .max_by(|a, b| a.events_per_s.total_cmp(&b.events_per_s))
+    }
+}
+
+fn lsn_diff(a: u64, b: u64) -> u64 {
+    b.saturating_sub(a)
+}
+
+async fn drop_leftovers(pg: &Client, n: &Names) -> Result<()> {
+    // The slots of every pass (`<slot>`, `<slot>_p2`, ...) and the decode
+    // slot; also what an earlier run on the same servers left.
+    let which = "slot_name = $1 OR starts_with(slot_name, $2 || '_p') OR slot_name = $3";
+    pg.execute(
+        &format!("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE ({which}) AND active_pid IS NOT NULL"),
+        &[&n.slot, &n.slot, &n.recv_slot],
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    pg.execute(
+        &format!(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE {which}"
+        ),
+        &[&n.slot, &n.slot, &n.recv_slot],
+    )
+    .await?;
+    pg.batch_execute(&format!(
+        "DROP PUBLICATION IF EXISTS {}; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {};",
+        n.publication, n.table, n.poll_table
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Table, exchange, queue, relay config and `outbox-relay setup`.
+async fn prepare_relay(
+    s: &Settings,
+    pg: &Client,
+    amqp: &lapin::Connection,
+    n: &Names,
+) -> Result<RelayConfig> {
+    drop_leftovers(pg, n).await?;
+    crate::amqp::declare(amqp, &n.exchange, &n.queue, &n.queue_type).await?;
+    crate::pg::create_outbox(pg, &s.outbox_sql, &n.table).await?;
+    let cfg = RelayConfig::write(
+        s,
+        n.slot.trim_start_matches("bench_slot_"),
+        &n.table,
+        &n.slot,
+        &n.publication,
+        &n.exchange,
+    )?;
+    cfg.setup()?;
+    Ok(cfg)
+}
+
+/// One relay drain: start `outbox-relay run`, wait until the queue holds
+/// every event, read CPU and RSS, stop it. Also returns the relay's own
+/// count of published events.
+async fn relay_drain(
+    s: &Settings,
+    pg: &Client,
+    cfg: &RelayConfig,
+    probe: &mut crate::amqp::DepthProbe,
+    lsn0: u64,
+    lsn1: u64,
+    insert: Duration,
+) -> Result<(Drain, Option<f64>)> {
+    probe.purge().await?;
+    pg.batch_execute("CHECKPOINT").await?;
+    let lsn_start = crate::pg::wal_lsn(pg).await?;
+    let t0 = Instant::now();
+    let mut child = cfg.spawn("drain")?;
+    let pid = child.id().to_string();
+    let waited = probe
+        .wait_for(
+            s.events,
+            Duration::from_millis(20),
+            Duration::from_secs(1800),
+            || match child.try_wait()? {
+                Some(st) => bail!("relay exited ({st}) during the drain"),
+                None => Ok(()),
+            },
+        )
+        .await;
+    let measured = match waited {
+        Ok((first, done)) => {
+            let cpu = crate::procs::cpu_seconds(&pid)?;
+            let rss = crate::procs::peak_rss_bytes(&pid)?;
+            let published =
+                cfg.metrics().await.ok().and_then(|t| {
+                    metric_value(&t, "outbox_relay_events_total{outcome=\"published\"}")
+                });
+            Ok((first, done, cpu, rss, published))
+        }
+        Err(e) => Err(e),
+    };
+    let stopped = crate::procs::terminate(&mut child, Duration::from_secs(30)).await;
+    let (first, done, cpu, rss, published) =
+        measured.map_err(|e| e.context(format!("relay log:\n{}", cfg.log_tail("drain"))))?;
+    stopped?;
+    let lsn2 = crate::pg::wal_lsn(pg).await?;
+    let secs = (done - t0).as_secs_f64();
+    let after_first = (done - first).as_secs_f64().max(1e-9);
+    // The CHECKPOINT's own record is not the relay's.
+    let drain_wal = lsn_diff(lsn_start, lsn2);
+    Ok((
+        Drain {
+            events: s.events,
+            seconds: secs,
+            events_per_s: s.events as f64 / secs,
+            seconds_after_first: after_first,
+            events_per_s_after_first: s.events as f64 / after_first,
+            cpu_seconds: cpu,
+            cpu_seconds_per_100k: cpu / s.events as f64 * 100_000.0,
+            peak_rss_bytes: rss,
+            insert_wal_bytes: lsn_diff(lsn0, lsn1),
+            insert_seconds: insert.as_secs_f64(),
+            drain_wal_bytes: drain_wal,
+            wal_bytes_per_event: (lsn_diff(lsn0, lsn1) + drain_wal) as f64 / s.events as f64,
+        },
+        published,
+    ))
+}
+
+async fn queue_type_round(
+    s: &Settings,
+    pg: &Client,
+    amqp: &lapin::Connection,
+    n: &Names,
+    explain: &mut Option<String>,
+    node: &Result<String, String>,
+) -> Result<QueueTypeResult> {
+    let mut r = QueueTypeResult {
+        queue_type: n.queue_type.clone(),
+        events: s.events,
+        ..Default::default()
+    };
+    let work = Path::new(&s.out_dir).join("work");
+    eprintln!("== {} queue ==", n.queue_type);
+    let cfg = prepare_relay(s, pg, amqp, n).await?;
+    // One slot per drain pass, all created before the inserts.
+    let mut cfgs = vec![cfg];
+    for pass in 2..=s.passes {
+        let slot = format!("{}_p{pass}", n.slot);
+        let cfg = RelayConfig::write(
+            s,
+            &format!("{}-p{pass}", n.slot.trim_start_matches("bench_slot_")),
+            &n.table,
+            &slot,
+            &n.publication,
+            &n.exchange,
+        )?;
+        cfg.setup()?;
+        cfgs.push(cfg);
+    }
+    pg.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&n.recv_slot],
+    )
+    .await?;
+
+    // 1. The backlog, committed while the relay is stopped.
+    eprintln!(
+        "  committing {} events in {}-row transactions ...",
+        s.events, s.tx_rows
+    );
+    let lsn0 = crate::pg::wal_lsn(pg).await?;
+    let insert = crate::pg::insert_backlog(pg, &n.table, 1, s.events, s.tx_rows).await?;
+    let lsn1 = crate::pg::wal_lsn(pg).await?;
+    pg.batch_execute("CHECKPOINT").await?;
+
+    // 2a. PostgreSQL's decode rate over the same WAL.
+    eprintln!("  pg_recvlogical (pgoutput) over the backlog ...");
+    let d = crate::pg::recvlogical(&s.pg_url, &n.recv_slot, &n.publication, lsn1)?;
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&n.recv_slot])
+        .await?;
+    r.decode = Some(Decode {
+        rows: s.events,
+        wal_bytes: lsn_diff(lsn0, lsn1),
+        seconds: d.as_secs_f64(),
+        rows_per_s: s.events as f64 / d.as_secs_f64(),
+    });
+
+    // 1 and 2b, interleaved: every pass drains with the relay (its own
+    // slot, so each pass reads the same WAL) and runs every bare publisher;
+    // the best of each is reported, every pass is kept in report.json.
+    let mut probe = crate::amqp::DepthProbe::new(&s.amqp_url, &n.queue).await?;
+    let window = s.window as usize;
+    for (pass, cfg) in cfgs.iter().enumerate() {
+        eprintln!("  pass {} of {}: relay drain ...", pass + 1, cfgs.len());
+        let d = relay_drain(s, pg, cfg, &mut probe, lsn0, lsn1, insert).await?;
+        eprintln!(
+            "    relay: {:.0} events/s, {:.2} CPU s/100k, peak RSS {:.1} MB",
+            d.0.events_per_s,
+            d.0.cpu_seconds_per_100k,
+            d.0.peak_rss_bytes as f64 / 1048576.0
+        );
+        r.relay_published_metric = d.1;
+        r.relay_passes.push(d.0);
+        for which in 0..3 {
+            probe.purge().await?;
+            let run = match which {
+                0 => {
+                    eprintln!("  ceiling: lapin awaiting each publish ...");
+                    crate::ceiling::lapin(&s.amqp_url, &n.exchange, window, s.events, false).await?
+                }
+                1 => {
+                    eprintln!("  ceiling: lapin pipelined ...");
+                    crate::ceiling::lapin(&s.amqp_url, &n.exchange, window, s.events, true).await?
+                }
+                _ => match node {
+                    Ok(_) => {
+                        eprintln!("  ceiling: amqplib ...");
+                        crate::ceiling::amqplib(
+                            &s.node_dir,
+                            &s.amqp_url,
+                            &n.exchange,
+                            window,
+                            s.events,
+                        )
+                        .await?
+                    }
+                    Err(why) => {
+                        if pass == 0 {
+                            eprintln!("  ceiling: amqplib skipped: {why}");
+                            r.skipped_publishers
+                                .push(format!("{}: {why}", crate::ceiling::AMQPLIB));
+                        }
+                        continue;
+                    }
+                },
+            };
+            if run.nacked > 0 || run.returned > 0 {
+                bail!(
+                    "{}: {} nacked, {} returned",
+                    run.name,
+                    run.nacked,
+                    run.returned
+                );
+            }
+            probe
+                .wait_for(
+                    s.events,
+                    Duration::from_millis(50),
+                    Duration::from_secs(30),
+                    || Ok(()),
+                )
+                .await
+                .with_context(|| {
+                    format!("{}: confirmed messages missing from the queue", run.name)
+                })?;
+            eprintln!("    {:.0} events/s", run.events_per_s);
+            r.publisher_passes.push(run);
+        }
+    }
+    probe.purge().await?;
+    r.relay = r
+        .relay_passes
+        .iter()
+        .max_by(|a, b| a.events_per_s.total_cmp(&b.events_per_s))
+        .cloned();
+    for name in [
+        crate::ceiling::LAPIN_AWAIT_EACH,
+        crate::ceiling::LAPIN_PIPELINED,
+        crate::ceiling::AMQPLIB,
+    ] {
+        if let Some(best) = r
+            .publisher_passes
+            .iter()
+            .filter(|p| p.name == name)
+            .max_by(|a, b| a.events_per_s.total_cmp(&b.events_per_s))
+        {
+            r.publishers.push(best.clone());
+        }
+    }
+
+    // 3. The polling baseline over the same number of events.
+    eprintln!("  polling baseline: committing {} events ...", s.events);
+    crate::pg::create_poll_table(pg, &n.poll_table).await?;
+    let p0 = crate::pg::wal_lsn(pg).await?;
+    let pinsert = crate::pg::insert_backlog(pg, &n.poll_table, 1, s.events, s.tx_rows).await?;
+    let p1 = crate::pg::wal_lsn(pg).await?;
+    pg.batch_execute(&format!("VACUUM ANALYZE {}", n.poll_table))
+        .await?;
+    if explain.is_none() {
+        let sql = claim_sql(&n.poll_table, s.poll_batch).replace("$1", "'explain'");
+        *explain = Some(crate::pg::explain_analyze(pg, &sql).await?);
+    }
+    pg.batch_execute("CHECKPOINT").await?;
+    let p1b = crate::pg::wal_lsn(pg).await?;
+    eprintln!("  polling dispatcher drain ...");
+    let log = work.join(format!("dispatcher-drain-{}.log", n.queue_type));
+    let t0 = Instant::now();
+    let mut d = Dispatcher::spawn(
+        DispatchArgs {
+            table: n.poll_table.clone(),
+            exchange: n.exchange.clone(),
+            window,
+            batch: s.poll_batch,
+            poll_ms: s.poll_interval_ms,
+            drain: true,
+            record: false,
+            result: work
+                .join(format!("dispatcher-drain-{}.json", n.queue_type))
+                .display()
+                .to_string(),
+            worker: String::new(),
+        },
+        &log,
+    )?;
+    let waited = probe
+        .wait_for(
+            s.events,
+            Duration::from_millis(20),
+            Duration::from_secs(1800),
+            || match d.child.try_wait()? {
+                Some(st) if !st.success() => bail!("dispatcher exited ({st}) during the drain"),
+                _ => Ok(()),
+            },
+        )
+        .await;
+    let res = d.finish(&log).await;
+    let (first, done) = waited?;
+    let res = res?;
+    let p2 = crate::pg::wal_lsn(pg).await?;
+    if res.events != s.events {
+        bail!(
+            "the dispatcher published {} of {} events",
+            res.events,
+            s.events
+        );
+    }
+    let secs = (done - t0).as_secs_f64();
+    let after_first = (done - first).as_secs_f64().max(1e-9);
+    // The CHECKPOINT's own WAL record is not the dispatcher's.
+    let drain_wal = lsn_diff(p1b, p2);
+    r.polling = Some(Drain {
+        events: s.events,
+        seconds: secs,
+        events_per_s: s.events as f64 / secs,
+        seconds_after_first: after_first,
+        events_per_s_after_first: s.events as f64 / after_first,
+        cpu_seconds: res.cpu_seconds,
+        cpu_seconds_per_100k: res.cpu_seconds / s.events as f64 * 100_000.0,
+        peak_rss_bytes: res.peak_rss_bytes,
+        insert_wal_bytes: lsn_diff(p0, p1),
+        insert_seconds: pinsert.as_secs_f64(),
+        drain_wal_bytes: drain_wal,
+        wal_bytes_per_event: (lsn_diff(p0, p1) + drain_wal) as f64 / s.events as f64,
+    });
+    r.polling_batches = res.batches;
+    r.polling_claim_seconds = res.claim_seconds;
+    r.polling_publish_seconds = res.publish_seconds;
+    r.polling_mark_seconds = res.mark_seconds;
+    eprintln!("  polling: {:.0} events/s", s.events as f64 / secs);
+    probe.purge().await?;
+    probe.close().await;
+    // The drained tables and the slot are done with: free the WAL the slot
+    // holds and the disk the tables take.
+    drop_leftovers(pg, n).await?;
+    Ok(r)
+}
+
+pub async fn run(s: Settings) -> Result<()> {
+    let started = Instant::now();
+    let started_at =
+        crate::procs::command_output("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]).unwrap_or_default();
+    if !Path::new(&s.relay_bin).exists() {
+        bail!("{} not found: cargo build --release first", s.relay_bin);
+    }
+    std::fs::create_dir_all(Path::new(&s.out_dir).join("work"))?;
+    let pg = crate::pg::connect(&s.pg_url).await?;
+    let amqp = crate::amqp::connect(&s.amqp_url, "relay-bench").await?;
+    let node = crate::ceiling::node_ready(&s.node_dir);
+    let mut machine = Machine::collect(&pg).await;
+    machine.node = node.clone().unwrap_or_else(|e| format!("not used: {e}"));
+    eprintln!(
+        "relay-bench: {} events per drain, {} s per latency run at {:?} events/s, queue types {:?}",
+        s.events, s.seconds, s.rates, s.queue_types
+    );
+
+    let mut explain = None;
+    let mut rounds = Vec::new();
+    for qt in &s.queue_types {
+        let n = Names::new(qt, qt);
+        rounds.push(queue_type_round(&s, &pg, &amqp, &n, &mut explain, &node).await?);
+    }
+
+    // 4. Latency under load.
+    let mut latency: Vec<LatencyRun> = Vec::new();
+    if !s.rates.is_empty() && s.seconds > 0 {
+        // Tables, queue and slot of their own: the slot starts at the
+        // current WAL position, not behind the drains' WAL.
+        let n = Names::new(&s.latency_queue_type, "latency");
+        eprintln!("== latency under load ({} queue) ==", n.queue_type);
+        let cfg = prepare_relay(&s, &pg, &amqp, &n).await?;
+        crate::pg::create_poll_table(&pg, &n.poll_table).await?;
+        pg.batch_execute("CHECKPOINT").await?;
+        latency.extend(
+            crate::latency::relay_runs(&s, &cfg, &n.slot, &n.table, &n.queue, &amqp).await?,
+        );
+        pg.batch_execute("CHECKPOINT").await?;
+        latency.extend(
+            crate::latency::polling_runs(&s, &n.poll_table, &n.exchange, &n.queue, &amqp).await?,
+        );
+    }
+
+    machine.load_after = crate::report::loadavg();
+    let report = Report {
+        started_at,
+        duration_seconds: started.elapsed().as_secs_f64(),
+        settings: s.clone(),
+        machine,
+        queue_types: rounds,
+        latency,
+        claim_explain: explain.unwrap_or_default(),
+        claim_sql: claim_sql("outbox_poll", s.poll_batch),
+        mark_sql: crate::polling::mark_sql("outbox_poll"),
+        targets: Vec::new(),
+    };
+    let _ = amqp.close(200, "bye".into()).await;
+    crate::report::write(report, &s.out_dir)
+}
