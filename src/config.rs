@@ -147,6 +147,8 @@ struct RawPostgres {
     sslmode: Option<String>,
     #[serde(default)]
     ca_file: Option<String>,
+    #[serde(default)]
+    password_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -200,6 +202,8 @@ struct RawRabbitmq {
     shutdown_grace_secs: u64,
     #[serde(default)]
     ca_file: Option<String>,
+    #[serde(default)]
+    password_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -491,7 +495,10 @@ fn apply_env(
 
 impl RawConfig {
     fn validate(self) -> Result<Config, ConfigError> {
-        let p = self.postgres;
+        let mut p = self.postgres;
+        if let Some(file) = non_empty(p.password_file.take()) {
+            p.url = with_password_file(&p.url, "postgres.password_file", &file)?;
+        }
         if !(p.url.starts_with("postgres://") || p.url.starts_with("postgresql://")) {
             return Err(key_err(
                 "postgres.url",
@@ -574,7 +581,10 @@ impl RawConfig {
             check_identifier(key, v)?;
         }
 
-        let r = self.rabbitmq;
+        let mut r = self.rabbitmq;
+        if let Some(file) = non_empty(r.password_file.take()) {
+            r.url = with_password_file(&r.url, "rabbitmq.password_file", &file)?;
+        }
         if !(r.url.starts_with("amqp://") || r.url.starts_with("amqps://")) {
             return Err(key_err(
                 "rabbitmq.url",
@@ -687,6 +697,37 @@ impl RawConfig {
 }
 
 /// An empty string (e.g. an environment override) means "not set".
+/// Puts the password read from `file` into `url` (percent-encoded), in place
+/// of any password the URL had: secrets can live in a file only root and the
+/// relay can read (e.g. a Kubernetes or systemd credential).
+fn with_password_file(url: &str, key: &str, file: &str) -> Result<String, ConfigError> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| key_err(key, format!("cannot read {file}: {e}")))?;
+    let password = text.trim_end_matches(['\n', '\r']);
+    if password.is_empty() {
+        return Err(key_err(key, format!("{file} is empty")));
+    }
+    let encoded: String =
+        percent_encoding::utf8_percent_encode(password, percent_encoding::NON_ALPHANUMERIC)
+            .collect();
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| key_err(key, "the URL it applies to has no scheme"))?;
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some(at) = authority.rfind('@') else {
+        return Err(key_err(
+            key,
+            "the URL it applies to names no user (user@host) to give the password to",
+        ));
+    };
+    let user = authority[..at].split(':').next().unwrap_or_default();
+    Ok(format!(
+        "{scheme}://{user}:{encoded}{}{tail}",
+        &authority[at..]
+    ))
+}
+
 fn non_empty(v: Option<String>) -> Option<String> {
     v.filter(|s| !s.trim().is_empty())
 }
@@ -946,6 +987,44 @@ listen = "127.0.0.1:9187"
         // An empty override unsets the key.
         let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_CA_FILE", "")]).unwrap();
         assert_eq!(c.postgres.ca_file, None);
+    }
+
+    #[test]
+    fn password_file_fills_in_the_url() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        std::fs::write(&f, "p@ss/w:rd\n").unwrap();
+        let f = f.display().to_string();
+        let text = MINIMAL
+            .replace(
+                "slot = \"outbox_relay\"",
+                &format!("slot = \"outbox_relay\"\npassword_file = \"{f}\""),
+            )
+            .replace(
+                "exchange = \"outbox\"",
+                &format!("exchange = \"outbox\"\npassword_file = \"{f}\""),
+            );
+        let c = load(&text, &[]).unwrap();
+        assert_eq!(
+            c.postgres.url.expose(),
+            "postgres://relay:p%40ss%2Fw%3Ard@127.0.0.1:5432/app"
+        );
+        assert_eq!(
+            c.rabbitmq.url.expose(),
+            "amqp://guest:p%40ss%2Fw%3Ard@127.0.0.1:5672/%2f"
+        );
+        let pg: tokio_postgres::Config = c.postgres.url.expose().parse().unwrap();
+        assert_eq!(pg.get_password(), Some(&b"p@ss/w:rd"[..]));
+        let err = load(
+            &MINIMAL.replace(
+                "slot = \"outbox_relay\"",
+                "password_file = \"/no/such/file\"",
+            ),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("postgres.password_file"), "{err}");
     }
 
     #[test]
