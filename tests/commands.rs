@@ -158,3 +158,35 @@ async fn setup_refuses_when_wal_level_is_not_logical() {
         "{err}"
     );
 }
+
+/// `password_file`: the URL carries no password; the file does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_file_authenticates() {
+    let fx = Fixture::new("pwfile").await;
+    let url = pg_url();
+    let (userinfo, rest) = url["postgres://".len()..].split_once('@').unwrap();
+    let (user, password) = userinfo.split_once(':').unwrap();
+    let file = fx.dir.path().join("pg-password");
+    std::fs::write(&file, format!("{password}\n")).unwrap();
+    let out = fx
+        .relay_cmd("status")
+        .env(
+            "OUTBOX_RELAY_POSTGRES_URL",
+            format!("postgres://{user}@{rest}"),
+        )
+        .env("OUTBOX_RELAY_POSTGRES_PASSWORD_FILE", &file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    // And without it, the same URL is refused by the server.
+    let out = fx
+        .relay_cmd("status")
+        .env(
+            "OUTBOX_RELAY_POSTGRES_URL",
+            format!("postgres://{user}@{rest}"),
+        )
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    fx.cleanup().await;
+}
