@@ -16,6 +16,10 @@
 //! | publish with confirms | [`sink`] |
 //! | confirmed-LSN watermark | [`checkpoint`] |
 //! | sessions, reconnects, shutdown | [`relay`] |
+//! | re-publishing from the table | [`recover`] |
+//! | operator commands, preflight | [`cli`], [`check`] |
+//! | metrics, health | [`metrics`], [`http`] |
+//! | configuration, TLS | [`config`], [`tls`] |
 //!
 //! # LSN invariants
 //!
