@@ -6,7 +6,7 @@
 #   servers.sh down DIR             stop both servers, delete DIR
 #   servers.sh with CMD [ARGS...]   install + up + run CMD with DIR/env loaded + down
 #   servers.sh pg stop|start|restart|kill|status       } act on the servers of
-#   servers.sh rabbitmq stop|start|status|ctl ARGS...  } $OUTBOX_IT_DIR
+#   servers.sh rabbitmq stop|start|status|freeze|thaw|ctl ARGS... } $OUTBOX_IT_DIR
 #     pg stop/restart shut down "fast", pg kill "immediate" (a crash); start
 #     and stop are no-ops when already started/stopped; start returns once
 #     the server accepts connections; rabbitmq ctl runs rabbitmqctl ARGS.
@@ -454,6 +454,16 @@ cmd_rabbitmq() {
         start) rabbitmq_start "$dir" ;;
         stop) rabbitmq_stop "$dir" ;;
         status) pid_alive "$dir/rabbitmq/server.pid" ;;
+        # A hung broker: the VM stops (SIGSTOP) with its sockets open, so
+        # clients see silence, not a closed connection. `thaw` resumes it.
+        freeze | thaw)
+            (
+                # shellcheck disable=SC1091
+                source "$dir/rabbitmq/rabbitmq.env"
+                pid_alive "$RABBITMQ_PID_FILE" || die "RabbitMQ is not running"
+                kill "-$([[ $sub == freeze ]] && echo STOP || echo CONT)" "$(cat "$RABBITMQ_PID_FILE")"
+            )
+            ;;
         ctl)
             (
                 # shellcheck disable=SC1091
@@ -461,7 +471,7 @@ cmd_rabbitmq() {
                 rmqctl "$@"
             )
             ;;
-        *) die "usage: servers.sh rabbitmq stop|start|status|ctl ARGS..." ;;
+        *) die "usage: servers.sh rabbitmq stop|start|status|freeze|thaw|ctl ARGS..." ;;
     esac
 }
 

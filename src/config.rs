@@ -393,7 +393,8 @@ pub struct RabbitmqConfig {
     pub routing_key: Template,
     /// Most publishes awaiting a confirm at once.
     pub window: usize,
-    /// A confirm that has not come after this long is a failure.
+    /// Messages wait and no confirm has come for this long (time blocked
+    /// by a resource alarm not counted): the broker is hung.
     pub confirm_timeout: Duration,
     /// Where undeliverable events go; `None`: stop instead.
     pub dead_letter_exchange: Option<String>,

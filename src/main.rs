@@ -10,6 +10,14 @@ use outbox_relay::config::Config;
 use outbox_relay::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
+/// glibc's allocator serializes threads on its arena locks, and the lapin
+/// I/O thread frees what the relay's thread allocates: a profile of a
+/// backlog drain showed a fifth of the CPU in futex wake-ups from malloc's
+/// lock. mimalloc frees across threads without one: 10–20% less CPU per
+/// event in `make bench`, for about 20 MB more peak RSS.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_RELAY_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -57,7 +65,11 @@ async fn run(cfg: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
+/// One thread: the relay is a single ordered pipeline (WAL in, messages out)
+/// waiting on two sockets, and lapin writes from its own I/O thread. Worker
+/// threads only added cross-thread wake-ups between the replication reader
+/// and the publisher (`make bench`: about 13% less CPU per event).
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);

@@ -242,14 +242,24 @@ impl Envelope {
     }
 }
 
+/// The event's id as text, whatever state the row is in (`?` when it has
+/// none), for logs and errors.
+pub fn event_id(ev: &OutboxEvent) -> String {
+    ev.mapping
+        .as_ref()
+        .ok()
+        .and_then(|m| ev.value(m.id))
+        .map_or_else(
+            || "?".to_owned(),
+            |v| String::from_utf8_lossy(v).into_owned(),
+        )
+}
+
 /// The dead letter for a row that could not become a message at all: what is
 /// known of it (id, payload bytes) and why.
 pub fn dead_letter_unrenderable(ev: &OutboxEvent, err: &RenderError, dlx: &str) -> Envelope {
     let mapping = ev.mapping.as_ref().ok();
-    let id = mapping
-        .and_then(|m| ev.value(m.id))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .unwrap_or_else(|| "?".to_owned());
+    let id = event_id(ev);
     let body = mapping
         .and_then(|m| ev.value(m.payload))
         .cloned()

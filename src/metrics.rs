@@ -24,6 +24,8 @@ pub mod names {
     pub const RETRIES: &str = "outbox_relay_retries";
     /// Publish to confirm.
     pub const CONFIRM_LATENCY: &str = "outbox_relay_confirm_latency_seconds";
+    /// Commit (the transaction's commit timestamp in the WAL) to confirm.
+    pub const COMMIT_TO_CONFIRM: &str = "outbox_relay_commit_to_confirm_seconds";
     /// Messages awaiting a confirm.
     pub const IN_FLIGHT: &str = "outbox_relay_in_flight_messages";
     /// Newest LSN received from the server.
@@ -109,6 +111,8 @@ pub struct Metrics {
     pub retries: Family<ReasonLabel, Counter>,
     /// See [`names::CONFIRM_LATENCY`].
     pub confirm_latency: Histogram,
+    /// See [`names::COMMIT_TO_CONFIRM`].
+    pub commit_to_confirm: Histogram,
     /// See [`names::IN_FLIGHT`].
     pub in_flight: Gauge,
     /// See [`names::RECEIVED_LSN`].
@@ -147,6 +151,11 @@ impl Metrics {
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 10.0,
             ]),
+            // Fine below 100 ms: this is what users compare with polling.
+            commit_to_confirm: Histogram::new([
+                0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+            ]),
             in_flight: Gauge::default(),
             received_lsn: Gauge::default(),
             confirmed_lsn: Gauge::default(),
@@ -177,6 +186,11 @@ impl Metrics {
             names::CONFIRM_LATENCY,
             "Time from publish to broker confirm",
             m.confirm_latency.clone(),
+        );
+        r.register(
+            names::COMMIT_TO_CONFIRM,
+            "Time from the transaction's commit (its WAL timestamp, the database server's clock) to the broker confirm of its message",
+            m.commit_to_confirm.clone(),
         );
         r.register(
             names::IN_FLIGHT,

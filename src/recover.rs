@@ -144,14 +144,15 @@ pub async fn publish_all(cfg: &Config, events: &[OutboxEvent]) -> Result<usize, 
     let mut confirmed = 0;
     for ev in events {
         let env = render(ev)?;
-        let confirm = sink.publish(&env).await?;
+        let id = env.id.clone();
+        let confirm = sink.publish(env).await?;
         pending.push(async move {
             let c = confirm.await.map_err(|source| SinkError::Amqp {
                 what: "waiting for a publisher confirm",
                 url: String::from("broker connection"),
                 source,
             })?;
-            check_confirmation(&env.id, env.exchange.as_str(), env.routing_key.as_str(), c)
+            check_confirmation(c, || id)
         });
         while pending.len() >= cfg.rabbitmq.window {
             if let Some(r) = pending.next().await {

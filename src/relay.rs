@@ -219,7 +219,18 @@ async fn session(
     let confirmed = wm_rx.borrow().lsn;
     *progressed = confirmed > start;
     report_final(&mut repl, confirmed, cfg.postgres.status_interval).await;
-    sink.close().await;
+    // A broker that stopped answering would not answer a close either:
+    // waiting for it would only delay the next session.
+    if matches!(
+        &sink_res,
+        Err(RelayError::Sink(
+            SinkError::ConfirmTimeout { .. } | SinkError::Timeout(_)
+        ))
+    ) {
+        drop(sink);
+    } else {
+        sink.close().await;
+    }
     stop.cancel();
     let _ = side.await;
 

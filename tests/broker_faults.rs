@@ -122,3 +122,88 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
     fx.refresh_amqp().await;
     fx.cleanup().await;
 }
+
+/// Resumes a frozen broker however the test ends: a stopped VM would hang
+/// every later test.
+struct Thaw;
+
+impl Drop for Thaw {
+    fn drop(&mut self) {
+        rabbitmq_ctl(&["thaw"]);
+    }
+}
+
+/// A hung broker (its VM stopped, connections open: silence, not a closed
+/// socket) while messages wait for confirms. Nothing closes the connection,
+/// so only `rabbitmq.confirm_timeout_secs` can notice: the session must end
+/// within it, and after the broker resumes every committed event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hung_broker_ends_the_session_after_the_confirm_timeout() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::with_config("brkhung", "confirm_timeout_secs = 2\n").await;
+    let subscriptions = fx.start_reconnecting_consumer().await;
+    let mut relay = fx.spawn_relay();
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 1), stop.clone());
+    let mut all = Vec::new();
+    fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
+        .await;
+
+    let frozen_at = Instant::now();
+    rabbitmq_ctl(&["freeze"]);
+    let thaw = Thaw;
+    // The producer keeps committing, so messages are waiting for confirms
+    // that cannot come. 2 s of timeout, checked every second, plus margin.
+    let deadline = Instant::now() + Duration::from_secs(6);
+    let noticed = loop {
+        if relay.log_text().contains("no publisher confirm for") {
+            break Some(frozen_at.elapsed());
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    relay.assert_running("while the broker is hung");
+    drop(thaw);
+    let noticed = noticed.unwrap_or_else(|| {
+        panic!(
+            "no confirm timeout within 6 s of the broker hanging (confirm_timeout_secs = 2); log:\n{}",
+            relay.log_tail()
+        )
+    });
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::SeqCst);
+    let report = producer.await.unwrap();
+    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
+    fx.collect_rest(
+        &mut all,
+        &ids,
+        Duration::from_secs(90),
+        Duration::from_secs(1),
+        Some(&relay),
+    )
+    .await;
+    let duplicates = check_deliveries(&[&report], &all);
+    let sessions = relay.log_text().matches("streaming from LSN").count();
+    assert!(
+        sessions >= 2,
+        "expected a new session after the timeout, saw {sessions}"
+    );
+    println!(
+        "hung broker: confirm timeout noticed {:.1} s after the freeze; {} committed events, {} deliveries, \
+         {duplicates} duplicates, {sessions} sessions, consumer subscriptions {}",
+        noticed.as_secs_f64(),
+        ids.len(),
+        all.len(),
+        subscriptions.load(Ordering::SeqCst)
+    );
+    let (status, _) = relay.sigterm();
+    assert!(
+        status.success(),
+        "relay exit status after SIGTERM: {status}"
+    );
+    fx.refresh_amqp().await;
+    fx.cleanup().await;
+}

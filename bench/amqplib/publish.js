@@ -7,7 +7,8 @@
 // message_id, type, content_type, timestamp, headers aggregate_type and
 // aggregate_id, the same 300-byte JSON body) on a ConfirmChannel, at most
 // WINDOW unconfirmed at a time, and prints one JSON line:
-//   {"events": N, "seconds": S, "nacked": K, "returned": R}
+//   {"events": N, "seconds": S, "cpu_seconds": C, "nacked": K, "returned": R}
+// (C: this process's user + system CPU over the same interval)
 // The clock runs from the first publish to the last confirm (connection and
 // channel set-up excluded).
 "use strict";
@@ -51,6 +52,7 @@ async function main() {
   let waitingDrain = false;
   const timestamp = Math.floor(Date.now() / 1000);
   const start = process.hrtime.bigint();
+  const cpu0 = process.cpuUsage();
 
   await new Promise((resolve) => {
     const onConfirm = (err) => {
@@ -95,9 +97,11 @@ async function main() {
   });
 
   const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+  const cpu = process.cpuUsage(cpu0);
+  const cpuSeconds = (cpu.user + cpu.system) / 1e6;
   await ch.close();
   await conn.close();
-  console.log(JSON.stringify({ events: count, seconds, nacked, returned }));
+  console.log(JSON.stringify({ events: count, seconds, cpu_seconds: cpuSeconds, nacked, returned }));
 }
 
 main().catch((err) => {

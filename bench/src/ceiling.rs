@@ -19,6 +19,9 @@ pub struct PublisherRun {
     pub events: u64,
     pub seconds: f64,
     pub events_per_s: f64,
+    /// Client CPU (user + system, every thread) from the first publish to
+    /// the last confirm, per 100,000 messages.
+    pub cpu_seconds_per_100k: f64,
     pub nacked: u64,
     pub returned: u64,
 }
@@ -51,6 +54,7 @@ pub async fn lapin(
             properties(&event_id(tag, i), &aggregate_id(i), ts),
         )
     };
+    let cpu0 = crate::procs::cpu_seconds("self")?;
     let t = Instant::now();
     let tally = if pipelined {
         crate::amqp::publish_pipelined(&ch, exchange, ROUTING_KEY, window, n, msg).await?
@@ -58,6 +62,7 @@ pub async fn lapin(
         crate::amqp::publish_awaiting_each(&ch, exchange, ROUTING_KEY, window, n, msg).await?
     };
     let seconds = t.elapsed().as_secs_f64();
+    let cpu = crate::procs::cpu_seconds("self")? - cpu0;
     let _ = conn.close(200, "bye".into()).await;
     Ok(PublisherRun {
         name: if pipelined {
@@ -74,6 +79,7 @@ pub async fn lapin(
         events: n,
         seconds,
         events_per_s: n as f64 / seconds,
+        cpu_seconds_per_100k: cpu / n as f64 * 100_000.0,
         nacked: tally.nacked,
         returned: tally.returned,
     })
@@ -83,6 +89,7 @@ pub async fn lapin(
 struct NodeOut {
     events: u64,
     seconds: f64,
+    cpu_seconds: f64,
     nacked: u64,
     returned: u64,
 }
@@ -142,6 +149,7 @@ pub async fn amqplib(
         events: r.events,
         seconds: r.seconds,
         events_per_s: r.events as f64 / r.seconds,
+        cpu_seconds_per_100k: r.cpu_seconds / r.events as f64 * 100_000.0,
         nacked: r.nacked,
         returned: r.returned,
     })

@@ -46,6 +46,9 @@ pub struct Settings {
     pub poll_batch: u64,
     /// Idle poll interval of the polling dispatcher (ms).
     pub poll_interval_ms: u64,
+    /// Only the relay drains (no bare publishers, no polling): for quick
+    /// measurements while working on the relay.
+    pub relay_only: bool,
     /// Where the report goes.
     pub out_dir: String,
     /// The relay binary.
@@ -119,6 +122,7 @@ impl Settings {
             window: env_u64("BENCH_WINDOW", 1024)?,
             poll_batch: env_u64("BENCH_POLL_BATCH", 500)?,
             poll_interval_ms: env_u64("BENCH_POLL_INTERVAL_MS", 100)?,
+            relay_only: env_u64("BENCH_RELAY_ONLY", 0)? != 0,
             out_dir: env_str("BENCH_OUT", "target/bench"),
             relay_bin: env_str("BENCH_RELAY", "target/release/outbox-relay"),
             node_dir: env_str("BENCH_NODE_DIR", "bench/amqplib"),

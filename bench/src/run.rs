@@ -300,7 +300,8 @@ async fn queue_type_round(
         );
         r.relay_published_metric = d.1;
         r.relay_passes.push(d.0);
-        for which in 0..3 {
+        let publishers = if s.relay_only { 0 } else { 3 };
+        for which in 0..publishers {
             probe.purge().await?;
             let run = match which {
                 0 => {
@@ -375,6 +376,12 @@ async fn queue_type_round(
         {
             r.publishers.push(best.clone());
         }
+    }
+
+    if s.relay_only {
+        probe.close().await;
+        drop_leftovers(pg, n).await?;
+        return Ok(r);
     }
 
     // 3. The polling baseline over the same number of events.

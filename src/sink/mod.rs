@@ -80,11 +80,14 @@ pub enum SinkError {
     /// wrong certificate): the message names the setting to fix.
     #[error("{0}")]
     Tls(String),
-    /// No confirm within `rabbitmq.confirm_timeout_secs`.
-    #[error("no confirm for event {id} within {secs} s (rabbitmq.confirm_timeout_secs)")]
+    /// Messages were waiting, and the broker confirmed none of them for
+    /// `rabbitmq.confirm_timeout_secs` while it was not blocking us.
+    #[error(
+        "no publisher confirm for {secs} s with {in_flight} message(s) waiting (rabbitmq.confirm_timeout_secs); the broker is not answering"
+    )]
     ConfirmTimeout {
-        /// Event id.
-        id: String,
+        /// Messages awaiting a confirm.
+        in_flight: u64,
         /// The timeout.
         secs: u64,
     },
@@ -229,7 +232,7 @@ impl AmqpSink {
     /// Hands one message to the broker; see [`PublishHandle::publish`]. No
     /// deadline here: the caller decides how long a blocked broker may hold
     /// it.
-    pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
+    pub async fn publish(&self, env: Envelope) -> Result<PublisherConfirm, SinkError> {
         self.handle().publish(env).await
     }
 
@@ -277,18 +280,20 @@ pub struct PublishHandle {
 impl PublishHandle {
     /// `basic.publish`, mandatory. lapin queues the frames synchronously on
     /// the returned future's first poll; the future then resolves once they
-    /// are written, to the confirm's future.
-    pub async fn publish(&self, env: &Envelope) -> Result<PublisherConfirm, SinkError> {
+    /// are written, to the confirm's future. The message is moved into
+    /// lapin's frames, not copied (lapin takes its strings and properties by
+    /// value).
+    pub async fn publish(&self, env: Envelope) -> Result<PublisherConfirm, SinkError> {
         self.channel
             .basic_publish(
-                env.exchange.clone(),
-                env.routing_key.clone(),
+                env.exchange,
+                env.routing_key,
                 BasicPublishOptions {
                     mandatory: true,
                     immediate: false,
                 },
                 &env.body,
-                env.properties.clone(),
+                env.properties,
             )
             .await
             .map_err(|source| SinkError::Amqp {
@@ -304,28 +309,21 @@ impl PublishHandle {
     }
 }
 
-/// The outcome of one publish, once the broker answered.
-pub fn check_confirmation(
-    env_id: &str,
-    exchange: &str,
-    routing_key: &str,
-    c: Confirmation,
-) -> Result<(), SinkError> {
+/// The outcome of one publish, once the broker answered. `id` names the
+/// event in an error; it is only called on the (rare) failure path.
+pub fn check_confirmation(c: Confirmation, id: impl FnOnce() -> String) -> Result<(), SinkError> {
     match c {
         Confirmation::Ack(None) => Ok(()),
         Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => Err(SinkError::Returned {
-            id: env_id.to_owned(),
-            exchange: exchange.to_owned(),
-            routing_key: routing_key.to_owned(),
+            id: id(),
+            exchange: ret.delivery.exchange.to_string(),
+            routing_key: ret.delivery.routing_key.to_string(),
             reply: ret.reply_text.to_string(),
-        }),
-        Confirmation::Nack(None) => Err(SinkError::Nacked {
-            id: env_id.to_owned(),
         }),
         // confirm_select is always on; treat the impossible as a failure
         // rather than as delivered.
-        Confirmation::NotRequested => Err(SinkError::Nacked {
-            id: env_id.to_owned(),
-        }),
+        Confirmation::Nack(None) | Confirmation::NotRequested => {
+            Err(SinkError::Nacked { id: id() })
+        }
     }
 }

@@ -22,7 +22,7 @@ use super::{AmqpSink, PublishHandle, SinkError, check_confirmation};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
-use crate::message::{Envelope, dead_letter_unrenderable, render};
+use crate::message::{Envelope, dead_letter_unrenderable, event_id, render};
 use prometheus_client::metrics::counter::Counter;
 
 use crate::metrics::{Metrics, Outcome, OutcomeLabel, ReasonLabel, RetryReason};
@@ -61,18 +61,63 @@ pub struct Progress {
     pub commit_time_us: Option<i64>,
 }
 
+/// What a message is published from.
+enum Content {
+    /// A decoded row. It is rendered for each publish, so the first publish
+    /// moves its message into lapin without a copy; only a retry renders
+    /// again.
+    Event(OutboxEvent),
+    /// A dead letter, fixed once built (cloned for each publish: rare).
+    DeadLetter(Box<Envelope>),
+}
+
 /// A message on its way: what to re-publish if it comes back.
 struct InFlight {
     seq: Seq,
-    env: Envelope,
+    content: Content,
     /// Publishes so far, this one included.
     attempts: u32,
-    /// This copy goes to the dead-letter exchange.
-    dead_letter: bool,
+    /// Body size, for the published-bytes counter.
+    body_bytes: usize,
+    /// Commit time of its transaction (µs since the Unix epoch).
+    commit_time_us: i64,
     published_at: Instant,
 }
 
-/// Publishes `f` and waits for the broker's answer, as one future.
+impl InFlight {
+    fn new(seq: Seq, content: Content, env: &Envelope, commit_time_us: i64) -> InFlight {
+        InFlight {
+            commit_time_us,
+            seq,
+            content,
+            attempts: 0,
+            body_bytes: env.body.len(),
+            published_at: Instant::now(),
+        }
+    }
+
+    fn is_dead_letter(&self) -> bool {
+        matches!(self.content, Content::DeadLetter(_))
+    }
+
+    /// The event id, for logs and errors.
+    fn id(&self) -> String {
+        match &self.content {
+            Content::Event(ev) => event_id(ev),
+            Content::DeadLetter(env) => env.id.clone(),
+        }
+    }
+
+    /// The message, to publish it again.
+    fn envelope(&self) -> Result<Envelope, RelayError> {
+        match &self.content {
+            Content::Event(ev) => render(ev).map_err(RelayError::Render),
+            Content::DeadLetter(env) => Ok(Envelope::clone(env)),
+        }
+    }
+}
+
+/// Publishes `env` and waits for the broker's answer, as one future.
 ///
 /// lapin queues a publish's frames synchronously on the first poll of
 /// `basic_publish` and then waits for its I/O loop to write them. Awaiting
@@ -80,58 +125,25 @@ struct InFlight {
 /// thread per message and halves throughput. So the caller polls this future
 /// once as soon as it is made (frames queued in WAL order), and collects the
 /// write and the confirm later, concurrently with newer messages.
+///
+/// No timer per message: the loop watches for a broker that stops
+/// confirming (see `rabbitmq.confirm_timeout_secs` in [`run`]).
 async fn deliver(
-    h: PublishHandle,
-    f: InFlight,
-    timeout: Duration,
-) -> (InFlight, Result<(), SinkError>) {
-    let res = {
-        let answer = async {
-            let confirm = h.publish(&f.env).await?;
-            let c = confirm.await.map_err(|source| SinkError::Amqp {
-                what: "waiting for a publisher confirm",
-                url: String::from("broker connection"),
-                source,
-            })?;
-            check_confirmation(
-                &f.env.id,
-                f.env.exchange.as_str(),
-                f.env.routing_key.as_str(),
-                c,
-            )
-        };
-        with_deadline(answer, timeout, &h, &f.env.id).await
-    };
-    (f, res)
-}
-
-/// `fut` must finish within `timeout`, not counting time during which the
-/// broker blocks publishing (a resource alarm is a visible, expected state,
-/// not a broken connection).
-async fn with_deadline(
-    fut: impl Future<Output = Result<(), SinkError>>,
-    timeout: Duration,
     h: &PublishHandle,
-    id: &str,
-) -> Result<(), SinkError> {
-    tokio::pin!(fut);
-    let mut left = timeout;
-    loop {
-        let step = left.min(Duration::from_secs(1));
-        match tokio::time::timeout(step, &mut fut).await {
-            Ok(r) => return r,
-            Err(_) if h.is_blocked() => {}
-            Err(_) => {
-                left = left.saturating_sub(step);
-                if left.is_zero() {
-                    return Err(SinkError::ConfirmTimeout {
-                        id: id.to_owned(),
-                        secs: timeout.as_secs(),
-                    });
-                }
-            }
-        }
+    f: InFlight,
+    env: Envelope,
+) -> (InFlight, Result<(), SinkError>) {
+    let res = async {
+        let confirm = h.publish(env).await?;
+        let c = confirm.await.map_err(|source| SinkError::Amqp {
+            what: "waiting for a publisher confirm",
+            url: String::from("broker connection"),
+            source,
+        })?;
+        check_confirmation(c, || f.id())
     }
+    .await;
+    (f, res)
 }
 
 /// Starts a delivery: polls it once, which queues its frames now, behind
@@ -148,6 +160,13 @@ where
             None
         }
     }
+}
+
+/// Wall clock, µs since the Unix epoch (commit times are in these units).
+fn unix_now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
 }
 
 async fn after(delay: Duration, f: InFlight) -> InFlight {
@@ -189,10 +208,11 @@ impl Publisher<'_> {
     fn dead_letter(
         &self,
         seq: Seq,
+        commit_time_us: i64,
         env: Envelope,
         reason: &str,
         attempts: u32,
-    ) -> Result<InFlight, RelayError> {
+    ) -> Result<(InFlight, Envelope), RelayError> {
         let Some(dlx) = &self.cfg.dead_letter_exchange else {
             error!(event_id = %env.id, reason, "undeliverable event and no dead-letter exchange; stopping");
             return Err(RelayError::Undeliverable {
@@ -201,18 +221,22 @@ impl Publisher<'_> {
             });
         };
         error!(event_id = %env.id, reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
-        Ok(InFlight {
-            seq,
-            env: env.dead_letter(dlx, reason, attempts),
-            attempts: 0,
-            dead_letter: true,
-            published_at: Instant::now(),
-        })
+        let dl = env.dead_letter(dlx, reason, attempts);
+        Ok((
+            InFlight::new(
+                seq,
+                Content::DeadLetter(Box::new(dl.clone())),
+                &dl,
+                commit_time_us,
+            ),
+            dl,
+        ))
     }
 
-    /// A new event: render, check size, publish (or dead-letter).
-    fn prepare(&mut self, ev: OutboxEvent) -> Result<InFlight, RelayError> {
+    /// A new event: render, check size; what to publish (or dead-letter).
+    fn prepare(&mut self, ev: OutboxEvent) -> Result<(InFlight, Envelope), RelayError> {
         let seq = self.cp.publish()?;
+        let commit_time_us = ev.commit_time_us;
         let env = match render(&ev) {
             Ok(env) => env,
             Err(e) => {
@@ -222,13 +246,15 @@ impl Publisher<'_> {
                 };
                 let dl = dead_letter_unrenderable(&ev, &e, dlx);
                 error!(event_id = %dl.id, reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
-                return Ok(InFlight {
-                    seq,
-                    env: dl,
-                    attempts: 0,
-                    dead_letter: true,
-                    published_at: Instant::now(),
-                });
+                return Ok((
+                    InFlight::new(
+                        seq,
+                        Content::DeadLetter(Box::new(dl.clone())),
+                        &dl,
+                        commit_time_us,
+                    ),
+                    dl,
+                ));
             }
         };
         if env.body.len() > self.cfg.max_message_bytes {
@@ -243,21 +269,21 @@ impl Publisher<'_> {
                 });
             };
             error!(event_id = %env.id, bytes = env.body.len(), limit, "dead-lettering oversized event");
-            return Ok(InFlight {
-                seq,
-                env: env.dead_letter_oversized(dlx, limit),
-                attempts: 0,
-                dead_letter: true,
-                published_at: Instant::now(),
-            });
+            let dl = env.dead_letter_oversized(dlx, limit);
+            return Ok((
+                InFlight::new(
+                    seq,
+                    Content::DeadLetter(Box::new(dl.clone())),
+                    &dl,
+                    commit_time_us,
+                ),
+                dl,
+            ));
         }
-        Ok(InFlight {
-            seq,
+        Ok((
+            InFlight::new(seq, Content::Event(ev), &env, commit_time_us),
             env,
-            attempts: 0,
-            dead_letter: false,
-            published_at: Instant::now(),
-        })
+        ))
     }
 
     /// The broker answered `f`. Returns what to publish again, and when.
@@ -271,29 +297,35 @@ impl Publisher<'_> {
                 self.metrics
                     .confirm_latency
                     .observe(f.published_at.elapsed().as_secs_f64());
-                if f.dead_letter {
+                self.metrics
+                    .commit_to_confirm
+                    .observe(((unix_now_us() - f.commit_time_us) as f64 / 1e6).max(0.0));
+                if f.is_dead_letter() {
                     self.dead_lettered.inc();
                 } else {
                     self.published.inc();
-                    self.metrics.published_bytes.inc_by(f.env.body.len() as u64);
+                    self.metrics.published_bytes.inc_by(f.body_bytes as u64);
                 }
                 let moved = self.cp.confirm(f.seq)?;
                 self.advance(moved);
                 Ok(None)
             }
-            Err(SinkError::Returned { reply, .. }) if f.dead_letter => {
+            Err(SinkError::Returned { reply, .. }) if f.is_dead_letter() => {
+                let Content::DeadLetter(env) = f.content else {
+                    unreachable!("checked by is_dead_letter")
+                };
                 Err(SinkError::DeadLetterRefused {
-                    id: f.env.id,
-                    exchange: f.env.exchange.to_string(),
+                    id: env.id,
+                    exchange: env.exchange.to_string(),
                     reason: reply,
                 }
                 .into())
             }
             Err(SinkError::Returned {
+                id,
                 reply,
                 exchange,
                 routing_key,
-                ..
             }) => {
                 f.attempts += 1;
                 if f.attempts >= self.cfg.unroutable_attempts {
@@ -301,7 +333,9 @@ impl Publisher<'_> {
                         "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({reply}) after {} attempts",
                         f.attempts
                     );
-                    let dl = self.dead_letter(f.seq, f.env, &reason, f.attempts)?;
+                    let env = f.envelope()?;
+                    let (dl, _) =
+                        self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
                     return Ok(Some((Duration::ZERO, dl)));
                 }
                 self.metrics
@@ -311,10 +345,10 @@ impl Publisher<'_> {
                     })
                     .inc();
                 let delay = retry_delay(self.cfg.retry_backoff, f.attempts);
-                warn!(event_id = %f.env.id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, %exchange, %routing_key, "unroutable; will publish again");
+                warn!(event_id = %id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, %exchange, %routing_key, "unroutable; will publish again");
                 Ok(Some((delay, f)))
             }
-            Err(SinkError::Nacked { .. }) => {
+            Err(SinkError::Nacked { id }) => {
                 f.attempts += 1;
                 self.metrics
                     .retries
@@ -323,7 +357,7 @@ impl Publisher<'_> {
                     })
                     .inc();
                 let delay = retry_delay(self.cfg.retry_backoff, f.attempts);
-                warn!(event_id = %f.env.id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
+                warn!(event_id = %id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
                 Ok(Some((delay, f)))
             }
             Err(e) => Err(e.into()),
@@ -332,12 +366,10 @@ impl Publisher<'_> {
 
     fn update_gauges(&self) {
         self.metrics.in_flight.set(self.cp.in_flight() as i64);
-        let lag = self.cp.oldest_pending_commit_time_us().map_or(0.0, |t| {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_micros() as i64);
-            ((now - t) as f64 / 1e6).max(0.0)
-        });
+        let lag = self
+            .cp
+            .oldest_pending_commit_time_us()
+            .map_or(0.0, |t| ((unix_now_us() - t) as f64 / 1e6).max(0.0));
         self.metrics.lag_seconds.set(lag);
     }
 }
@@ -368,8 +400,15 @@ pub async fn run(
         watermark,
     };
     let handle = sink.handle();
-    let start = |f: InFlight| Box::pin(deliver(handle.clone(), f, cfg.confirm_timeout));
+    let start = |mut f: InFlight, env: Envelope| {
+        f.published_at = Instant::now();
+        Box::pin(deliver(&handle, f, env))
+    };
     let mut confirms = FuturesUnordered::new();
+    // The broker's last sign of life while messages wait for it: a confirm,
+    // or the first publish after none were waiting. Time blocked by a
+    // resource alarm does not count.
+    let mut answered = Instant::now();
     let mut retries = FuturesUnordered::new();
     let window = cfg.window as u64;
     let mut open = true;
@@ -395,12 +434,17 @@ pub async fn run(
         tokio::select! {
             biased;
             Some((f, res)) = confirms.next(), if !confirms.is_empty() => {
+                answered = Instant::now();
                 if let Some((delay, f)) = p.settle(f, res)? {
                     retries.push(after(delay, f));
                 }
             }
             Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
-                if let Some((f, res)) = launch(start(f), &mut confirms).await {
+                if confirms.is_empty() {
+                    answered = Instant::now();
+                }
+                let env = f.envelope()?;
+                if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
                     if let Some((delay, f)) = p.settle(f, res)? {
                         retries.push(after(delay, f));
                     }
@@ -416,8 +460,11 @@ pub async fn run(
                 }
                 Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
                 Some(SinkItem::Event(ev)) => {
-                    let f = p.prepare(ev)?;
-                    if let Some((f, res)) = launch(start(f), &mut confirms).await {
+                    if confirms.is_empty() {
+                        answered = Instant::now();
+                    }
+                    let (f, env) = p.prepare(ev)?;
+                    if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
                         if let Some((delay, f)) = p.settle(f, res)? {
                             retries.push(after(delay, f));
                         }
@@ -448,6 +495,15 @@ pub async fn run(
             }
             _ = gauges.tick() => {
                 p.update_gauges();
+                if blocked || confirms.is_empty() {
+                    answered = Instant::now();
+                } else if answered.elapsed() >= cfg.confirm_timeout {
+                    return Err(SinkError::ConfirmTimeout {
+                        in_flight: confirms.len() as u64,
+                        secs: cfg.confirm_timeout.as_secs(),
+                    }
+                    .into());
+                }
                 // An idle session would not notice a dead broker connection
                 // until its next publish; readiness must not lie meanwhile.
                 if !sink.is_connected() {
