@@ -32,8 +32,9 @@ pub const AMQPLIB: &str = "amqplib (Node)";
 
 /// lapin, one connection and channel in confirm mode; `pipelined` selects
 /// [`crate::amqp::publish_pipelined`] over
-/// [`crate::amqp::publish_awaiting_each`]. The clock runs from the first
-/// publish to the last confirm.
+/// [`crate::amqp::publish_awaiting_each`]. Runs as a process of its own
+/// (`relay-bench publish`), set up as the relay is (one-thread runtime,
+/// mimalloc), so that its CPU is the publisher's alone.
 pub async fn lapin(
     url: &str,
     exchange: &str,
@@ -41,7 +42,59 @@ pub async fn lapin(
     n: u64,
     pipelined: bool,
 ) -> Result<PublisherRun> {
-    let conn = crate::amqp::connect(url, "relay-bench ceiling").await?;
+    let exe = std::env::current_exe()?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("publish")
+        .args(["--exchange", exchange])
+        .args(["--window", &window.to_string()])
+        .args(["--events", &n.to_string()])
+        // The URL carries the password: not on the command line.
+        .env("BENCH_PUBLISH_URL", url)
+        .kill_on_drop(true);
+    if pipelined {
+        cmd.arg("--pipelined");
+    }
+    let r = run_publisher(cmd, "relay-bench publish").await?;
+    Ok(PublisherRun {
+        name: if pipelined {
+            LAPIN_PIPELINED
+        } else {
+            LAPIN_AWAIT_EACH
+        }
+        .into(),
+        description: if pipelined {
+            "each basic_publish future polled once (frames queued in order), completions and confirms awaited concurrently, at most `window` unconfirmed".into()
+        } else {
+            "`basic_publish(..).await` before the next publish, confirms awaited concurrently, at most `window` unconfirmed".into()
+        },
+        events: r.events,
+        seconds: r.seconds,
+        events_per_s: r.events as f64 / r.seconds,
+        cpu_seconds_per_100k: r.cpu_seconds / r.events as f64 * 100_000.0,
+        nacked: r.nacked,
+        returned: r.returned,
+    })
+}
+
+/// `relay-bench publish --exchange X --window W --events N [--pipelined]`
+/// (URL in `BENCH_PUBLISH_URL`): publishes, prints one [`PublisherOut`]
+/// line. The clock and the CPU run from the first publish to the last
+/// confirm.
+pub async fn publish_main(args: &[String]) -> Result<()> {
+    let (mut exchange, mut window, mut n, mut pipelined) = (String::new(), 1024, 0, false);
+    let mut it = args.iter();
+    while let Some(k) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--exchange" => exchange = v()?.clone(),
+            "--window" => window = v()?.parse()?,
+            "--events" => n = v()?.parse()?,
+            "--pipelined" => pipelined = true,
+            _ => bail!("publish: unknown argument {k}"),
+        }
+    }
+    let url = std::env::var("BENCH_PUBLISH_URL").context("BENCH_PUBLISH_URL is not set")?;
+    let conn = crate::amqp::connect(&url, "relay-bench ceiling").await?;
     let ch = crate::amqp::confirm_channel(&conn).await?;
     let tag = if pipelined { 0xc1 } else { 0xc0 };
     let ts = unix_secs();
@@ -57,41 +110,50 @@ pub async fn lapin(
     let cpu0 = crate::procs::cpu_seconds("self")?;
     let t = Instant::now();
     let tally = if pipelined {
-        crate::amqp::publish_pipelined(&ch, exchange, ROUTING_KEY, window, n, msg).await?
+        crate::amqp::publish_pipelined(&ch, &exchange, ROUTING_KEY, window, n, msg).await?
     } else {
-        crate::amqp::publish_awaiting_each(&ch, exchange, ROUTING_KEY, window, n, msg).await?
+        crate::amqp::publish_awaiting_each(&ch, &exchange, ROUTING_KEY, window, n, msg).await?
     };
     let seconds = t.elapsed().as_secs_f64();
-    let cpu = crate::procs::cpu_seconds("self")? - cpu0;
+    let cpu_seconds = crate::procs::cpu_seconds("self")? - cpu0;
     let _ = conn.close(200, "bye".into()).await;
-    Ok(PublisherRun {
-        name: if pipelined {
-            LAPIN_PIPELINED
-        } else {
-            LAPIN_AWAIT_EACH
-        }
-        .into(),
-        description: if pipelined {
-            "each basic_publish future polled once (frames queued in order), completions and confirms awaited concurrently, at most `window` unconfirmed".into()
-        } else {
-            "`basic_publish(..).await` before the next publish, confirms awaited concurrently, at most `window` unconfirmed".into()
-        },
+    let out = PublisherOut {
         events: n,
         seconds,
-        events_per_s: n as f64 / seconds,
-        cpu_seconds_per_100k: cpu / n as f64 * 100_000.0,
+        cpu_seconds,
         nacked: tally.nacked,
         returned: tally.returned,
-    })
+    };
+    println!("{}", serde_json::to_string(&out)?);
+    Ok(())
 }
 
-#[derive(serde::Deserialize)]
-struct NodeOut {
+/// What a publisher process prints (Rust and Node alike).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct PublisherOut {
     events: u64,
     seconds: f64,
+    /// Its own user + system CPU over the same interval.
     cpu_seconds: f64,
     nacked: u64,
     returned: u64,
+}
+
+/// Runs a publisher process, parses its line.
+async fn run_publisher(mut cmd: tokio::process::Command, what: &str) -> Result<PublisherOut> {
+    let out = tokio::time::timeout(Duration::from_secs(600), cmd.output())
+        .await
+        .with_context(|| format!("{what} timed out"))?
+        .with_context(|| format!("running {what}"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).with_context(|| format!("parsing {what} output {line:?}"))
 }
 
 /// Whether node and bench/amqplib/node_modules/amqplib are there.
@@ -116,33 +178,17 @@ pub async fn amqplib(
     window: usize,
     n: u64,
 ) -> Result<PublisherRun> {
-    let out = tokio::time::timeout(
-        Duration::from_secs(600),
-        tokio::process::Command::new("node")
-            .arg("publish.js")
-            .arg(url)
-            .arg(exchange)
-            .arg(ROUTING_KEY)
-            .arg(n.to_string())
-            .arg(window.to_string())
-            .arg(pad_len().to_string())
-            .current_dir(node_dir)
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .context("amqplib publisher timed out")?
-    .context("running node publish.js")?;
-    if !out.status.success() {
-        bail!(
-            "node publish.js failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let line = String::from_utf8_lossy(&out.stdout);
-    let r: NodeOut = serde_json::from_str(line.trim())
-        .with_context(|| format!("parsing publish.js output {line:?}"))?;
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg("publish.js")
+        .arg(url)
+        .arg(exchange)
+        .arg(ROUTING_KEY)
+        .arg(n.to_string())
+        .arg(window.to_string())
+        .arg(pad_len().to_string())
+        .current_dir(node_dir)
+        .kill_on_drop(true);
+    let r = run_publisher(cmd, "node publish.js").await?;
     Ok(PublisherRun {
         name: AMQPLIB.into(),
         description: "ConfirmChannel, publish with a callback per message, at most `window` unconfirmed, waits for 'drain' when the socket buffer is full".into(),

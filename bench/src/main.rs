@@ -9,6 +9,11 @@
 //! The relay is driven as a process (`target/release/outbox-relay`), exactly
 //! as an operator runs it; nothing of the relay's crate is linked in.
 
+/// The relay's allocator, for every process of the harness: the
+/// dispatcher and the bare publishers get the same advantage.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod amqp;
 mod ceiling;
 mod latency;
@@ -137,22 +142,31 @@ impl Settings {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: relay-bench run            (environment: TEST_PG_URL, TEST_AMQP_URL, BENCH_*)\n       relay-bench dispatch ARGS   (the polling dispatcher; started by `run`)"
+        "usage: relay-bench run            (environment: TEST_PG_URL, TEST_AMQP_URL, BENCH_*)\n       relay-bench dispatch ARGS   (the polling dispatcher; started by `run`)\n       relay-bench publish ARGS    (a bare lapin publisher; started by `run`)"
     );
     std::process::exit(2);
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    // The harness drives producers, consumers and probes at once; the
+    // dispatcher and the bare publishers are one pipeline each and run as
+    // the relay does, on one thread.
+    let rt = match args.first().map(String::as_str) {
+        Some("run") => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build(),
+        _ => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+    }
+    .expect("tokio runtime");
     let res = match args.first().map(String::as_str) {
         Some("run") => Settings::from_env().and_then(|s| rt.block_on(run::run(s))),
         Some("dispatch") => polling::DispatchArgs::parse(&args[1..])
             .and_then(|a| rt.block_on(polling::dispatch_main(a))),
+        Some("publish") => rt.block_on(ceiling::publish_main(&args[1..])),
         _ => usage(),
     };
     if let Err(e) = res {
