@@ -16,10 +16,8 @@ pub struct Envelope {
     pub routing_key: ShortString,
     /// Body: the payload bytes as stored.
     pub body: Bytes,
-    /// Properties and headers.
+    /// Properties and headers; `message_id` is the event id.
     pub properties: BasicProperties,
-    /// The event id (also `message_id`), for logs.
-    pub id: String,
 }
 
 /// The row cannot become a message. The event is undeliverable as it stands.
@@ -120,19 +118,20 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
         .mapping
         .as_ref()
         .map_err(|e| RenderError::Mapping(e.clone()))?;
-    let id = text(ev, m.id, "id", "?")?.to_owned();
-    let aggregate_type = text(ev, m.aggregate_type, "aggregate_type", &id)?;
-    let aggregate_id = text(ev, m.aggregate_id, "aggregate_id", &id)?;
-    let event_type = text(ev, m.event_type, "event_type", &id)?;
+    let id = text(ev, m.id, "id", "?")?;
+    let aggregate_type = text(ev, m.aggregate_type, "aggregate_type", id)?;
+    let aggregate_id = text(ev, m.aggregate_id, "aggregate_id", id)?;
+    let event_type = text(ev, m.event_type, "event_type", id)?;
     let raw_payload = ev.value(m.payload).ok_or_else(|| RenderError::Null {
-        id: id.clone(),
+        id: id.to_owned(),
         column: "payload".into(),
     })?;
     let (body, content_type) = match m.payload_kind {
         PayloadKind::Json => (raw_payload.clone(), "application/json"),
         PayloadKind::Text => (raw_payload.clone(), "text/plain; charset=utf-8"),
         PayloadKind::Bytea => (
-            decode_bytea_hex(raw_payload).ok_or_else(|| RenderError::Bytea { id: id.clone() })?,
+            decode_bytea_hex(raw_payload)
+                .ok_or_else(|| RenderError::Bytea { id: id.to_owned() })?,
             "application/octet-stream",
         ),
     };
@@ -140,11 +139,11 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
     let mut headers = FieldTable::default();
     if let Some(h) = m.headers.and_then(|i| ev.value(i)) {
         let obj: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.clone() })?;
+            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.to_owned() })?;
         for (k, v) in obj {
             if k.len() > 255 {
                 return Err(RenderError::TooLong {
-                    id,
+                    id: id.to_owned(),
                     what: "header name",
                     len: k.len(),
                 });
@@ -162,19 +161,18 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
     );
 
     let properties = BasicProperties::default()
-        .with_message_id(short(&id, "id", &id)?)
-        .with_type(short(event_type, "event type", &id)?)
+        .with_message_id(short(id, "id", id)?)
+        .with_type(short(event_type, "event type", id)?)
         .with_content_type(ShortString::from(content_type))
         .with_delivery_mode(2)
         .with_timestamp(u64::try_from(ev.commit_time_us / 1_000_000).unwrap_or(0))
         .with_headers(headers);
 
     Ok(Envelope {
-        exchange: render_template(ev, &m.exchange, "exchange", &id)?,
-        routing_key: render_template(ev, &m.routing_key, "routing key", &id)?,
+        exchange: render_template(ev, &m.exchange, "exchange", id)?,
+        routing_key: render_template(ev, &m.routing_key, "routing key", id)?,
         body,
         properties,
-        id,
     })
 }
 
@@ -193,6 +191,15 @@ pub mod dead_letter_headers {
 }
 
 impl Envelope {
+    /// The event id (its `message_id`), for logs; `?` if it has none (an
+    /// unrenderable row whose id is too long for AMQP).
+    pub fn id(&self) -> &str {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map_or("?", |s| s.as_str())
+    }
+
     /// The copy that goes to `dlx`: same body, properties and headers, plus
     /// `x-outbox-*` headers that say why and where it was going. Routed with
     /// the original routing key, so a dead-letter queue can still filter.
@@ -219,7 +226,6 @@ impl Envelope {
             routing_key: self.routing_key.clone(),
             body: self.body.clone(),
             properties: self.properties.clone().with_headers(headers),
-            id: self.id.clone(),
         }
     }
 
@@ -274,7 +280,6 @@ pub fn dead_letter_unrenderable(ev: &OutboxEvent, err: &RenderError, dlx: &str) 
         body,
         properties: properties
             .with_timestamp(u64::try_from(ev.commit_time_us / 1_000_000).unwrap_or(0)),
-        id,
     };
     original.dead_letter(dlx, &err.to_string(), 0)
 }
@@ -560,7 +565,7 @@ mod tests {
         );
         let err = render(&null_type).unwrap_err();
         let dl = dead_letter_unrenderable(&null_type, &err, "dlx");
-        assert_eq!(dl.id, "id10");
+        assert_eq!(dl.id(), "id10");
         assert_eq!(&dl.body[..], b"{}");
         let h = dl.properties.headers().as_ref().unwrap().inner();
         assert!(

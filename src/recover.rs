@@ -144,7 +144,7 @@ pub async fn publish_all(cfg: &Config, events: &[OutboxEvent]) -> Result<usize, 
     let mut confirmed = 0;
     for ev in events {
         let env = render(ev)?;
-        let id = env.id.clone();
+        let id = env.id().to_owned();
         let confirm = sink.publish(env).await?;
         pending.push(async move {
             let c = confirm.await.map_err(|source| SinkError::Amqp {

@@ -223,9 +223,7 @@ async fn session(
     // waiting for it would only delay the next session.
     if matches!(
         &sink_res,
-        Err(RelayError::Sink(
-            SinkError::ConfirmTimeout { .. } | SinkError::Timeout(_)
-        ))
+        Err(RelayError::Sink(SinkError::ConfirmTimeout { .. }))
     ) {
         drop(sink);
     } else {

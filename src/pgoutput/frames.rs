@@ -119,7 +119,7 @@ pub(super) fn insert_all_kinds() -> (Bytes, LogicalMessage) {
         &2i32.to_be_bytes(),
         &[0xde, 0xad],
     ]);
-    let tuple = TupleData(vec![
+    let tuple = TupleData::from(vec![
         ColumnValue::Null,
         ColumnValue::UnchangedToast,
         text("abc"),
@@ -147,7 +147,7 @@ fn update_without_old() -> (Bytes, LogicalMessage) {
     let msg = Update {
         relation_id: REL,
         old: None,
-        new: TupleData(vec![text("x")]),
+        new: TupleData::from(vec![text("x")]),
     };
     (buf, LogicalMessage::Update(msg))
 }
@@ -171,8 +171,11 @@ fn update_with_key() -> (Bytes, LogicalMessage) {
     ]);
     let msg = Update {
         relation_id: REL,
-        old: Some(OldTuple::Key(TupleData(vec![text("1"), ColumnValue::Null]))),
-        new: TupleData(vec![text("2"), ColumnValue::UnchangedToast]),
+        old: Some(OldTuple::Key(TupleData::from(vec![
+            text("1"),
+            ColumnValue::Null,
+        ]))),
+        new: TupleData::from(vec![text("2"), ColumnValue::UnchangedToast]),
     };
     (buf, LogicalMessage::Update(msg))
 }
@@ -200,8 +203,11 @@ fn update_with_full_old() -> (Bytes, LogicalMessage) {
     ]);
     let msg = Update {
         relation_id: REL,
-        old: Some(OldTuple::Full(TupleData(vec![text("1"), text("old")]))),
-        new: TupleData(vec![text("1"), text("new")]),
+        old: Some(OldTuple::Full(TupleData::from(vec![
+            text("1"),
+            text("old"),
+        ]))),
+        new: TupleData::from(vec![text("1"), text("new")]),
     };
     (buf, LogicalMessage::Update(msg))
 }
@@ -217,7 +223,7 @@ fn delete_with_key() -> (Bytes, LogicalMessage) {
         b"1",
         b"n",
     ]);
-    let old = OldTuple::Key(TupleData(vec![text("1"), ColumnValue::Null]));
+    let old = OldTuple::Key(TupleData::from(vec![text("1"), ColumnValue::Null]));
     (
         buf,
         LogicalMessage::Delete(Delete {
@@ -241,7 +247,7 @@ fn delete_with_full_old() -> (Bytes, LogicalMessage) {
         &[1, 2, 3],
     ]);
     let binary = ColumnValue::Binary(Bytes::from_static(&[1, 2, 3]));
-    let old = OldTuple::Full(TupleData(vec![text("1"), binary]));
+    let old = OldTuple::Full(TupleData::from(vec![text("1"), binary]));
     (
         buf,
         LogicalMessage::Delete(Delete {

@@ -19,6 +19,7 @@ mod prop_tests;
 mod tests;
 
 use bytes::Bytes;
+use smallvec::SmallVec;
 
 /// An LSN as the raw u64 from the wire.
 ///
@@ -29,6 +30,9 @@ pub type WireLsn = u64;
 /// One decoded `pgoutput` message, so callers can match on the kind of
 /// change instead of re-parsing tags.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// Rows keep their columns inline (no allocation per event), and rows
+// are the common case: boxing them would add back the allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum LogicalMessage {
     /// Opens a transaction; changes until the matching commit belong to it.
     Begin(Begin),
@@ -190,9 +194,17 @@ pub struct LogicalDecodingMessage {
     pub content: Bytes,
 }
 
-/// Column values of one row, in relation column order.
+/// Column values of one row, in relation column order. Up to 8 columns
+/// (the default outbox table has 7) live inline: decoding a row allocates
+/// nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TupleData(pub Vec<ColumnValue>);
+pub struct TupleData(pub SmallVec<[ColumnValue; 8]>);
+
+impl From<Vec<ColumnValue>> for TupleData {
+    fn from(v: Vec<ColumnValue>) -> Self {
+        TupleData(SmallVec::from_vec(v))
+    }
+}
 
 /// One column value; values are zero-copy slices of the input frame.
 #[derive(Debug, Clone, PartialEq, Eq)]

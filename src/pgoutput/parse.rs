@@ -1,6 +1,7 @@
 //! Per-message parsers behind [`super::decode`].
 
 use bytes::Bytes;
+use smallvec::SmallVec;
 
 use super::cursor::Cursor;
 use super::{
@@ -149,7 +150,7 @@ fn invalid_tuple_tag(tag: u8, context: &str) -> DecodeError {
 
 fn tuple(cur: &mut Cursor) -> Result<TupleData, DecodeError> {
     let count = usize::from(cur.u16("tuple column count")?);
-    let mut values = Vec::with_capacity(count.min(cur.remaining()));
+    let mut values = SmallVec::with_capacity(count.min(cur.remaining()));
     for _ in 0..count {
         values.push(column_value(cur)?);
     }

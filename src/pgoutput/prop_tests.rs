@@ -27,7 +27,7 @@ fn column_value() -> impl Strategy<Value = ColumnValue> {
 }
 
 fn tuple() -> impl Strategy<Value = TupleData> {
-    vec(column_value(), 0..8).prop_map(TupleData)
+    vec(column_value(), 0..12).prop_map(TupleData::from)
 }
 
 fn old_tuple() -> impl Strategy<Value = OldTuple> {

@@ -80,10 +80,10 @@ pub enum SinkError {
     /// wrong certificate): the message names the setting to fix.
     #[error("{0}")]
     Tls(String),
-    /// Messages were waiting, and the broker confirmed none of them for
-    /// `rabbitmq.confirm_timeout_secs` while it was not blocking us.
+    /// A message waited `rabbitmq.confirm_timeout_secs` for its confirm,
+    /// not counting time the broker blocked publishing.
     #[error(
-        "no publisher confirm for {secs} s with {in_flight} message(s) waiting (rabbitmq.confirm_timeout_secs); the broker is not answering"
+        "no publisher confirm within {secs} s for the oldest of {in_flight} waiting message(s) (rabbitmq.confirm_timeout_secs); the broker is not answering"
     )]
     ConfirmTimeout {
         /// Messages awaiting a confirm.

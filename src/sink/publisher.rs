@@ -6,6 +6,7 @@
 //! dead-lettering, so its transaction becomes durable only once the broker
 //! took *some* copy of it: on its exchange, or on the dead-letter exchange.
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::task::Poll;
 use std::time::Duration;
@@ -31,6 +32,9 @@ use crate::relay::RelayError;
 
 /// One item from source to sink, in WAL order.
 #[derive(Debug)]
+// Rows keep their columns inline (no allocation per event), and rows
+// are the common case: boxing them would add back the allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum SinkItem {
     /// A transaction begins (commit time, µs since the Unix epoch).
     Begin {
@@ -62,6 +66,9 @@ pub struct Progress {
 }
 
 /// What a message is published from.
+// Rows keep their columns inline (no allocation per event), and rows
+// are the common case: boxing them would add back the allocation.
+#[allow(clippy::large_enum_variant)]
 enum Content {
     /// A decoded row. It is rendered for each publish, so the first publish
     /// moves its message into lapin without a copy; only a retry renders
@@ -104,7 +111,7 @@ impl InFlight {
     fn id(&self) -> String {
         match &self.content {
             Content::Event(ev) => event_id(ev),
-            Content::DeadLetter(env) => env.id.clone(),
+            Content::DeadLetter(env) => env.id().to_owned(),
         }
     }
 
@@ -162,6 +169,55 @@ where
     }
 }
 
+/// When each message now waiting for the broker was published. The confirm
+/// timeout applies to the oldest, so one stuck message is noticed even while
+/// the broker confirms others around it (confirms may come out of order,
+/// e.g. from different queues). One entry per message in flight: at most
+/// the window; no timer per message.
+struct Waiting {
+    since: BTreeMap<Seq, Instant>,
+    /// Waiting before this does not count: the broker blocked publishing
+    /// (a resource alarm), or this process did not run for a while (then
+    /// answers may be queued, unread).
+    counted_from: Instant,
+    last_check: Instant,
+}
+
+impl Waiting {
+    /// A check comes every second; a longer gap means the process stalled.
+    const STALL: Duration = Duration::from_secs(3);
+
+    fn new() -> Waiting {
+        let now = Instant::now();
+        Waiting {
+            since: BTreeMap::new(),
+            counted_from: now,
+            last_check: now,
+        }
+    }
+
+    fn launched(&mut self, seq: Seq) {
+        self.since.insert(seq, Instant::now());
+    }
+
+    fn answered(&mut self, seq: Seq) {
+        self.since.remove(&seq);
+    }
+
+    /// Whether the oldest waiting message has waited `timeout` or more,
+    /// counting only time the broker was free to answer.
+    fn overdue(&mut self, blocked: bool, timeout: Duration) -> bool {
+        let now = Instant::now();
+        if blocked || now.duration_since(self.last_check) > Self::STALL {
+            self.counted_from = now;
+        }
+        self.last_check = now;
+        self.since
+            .first_key_value()
+            .is_some_and(|(_, &at)| now.duration_since(at.max(self.counted_from)) >= timeout)
+    }
+}
+
 /// Wall clock, µs since the Unix epoch (commit times are in these units).
 fn unix_now_us() -> i64 {
     std::time::SystemTime::now()
@@ -214,13 +270,13 @@ impl Publisher<'_> {
         attempts: u32,
     ) -> Result<(InFlight, Envelope), RelayError> {
         let Some(dlx) = &self.cfg.dead_letter_exchange else {
-            error!(event_id = %env.id, reason, "undeliverable event and no dead-letter exchange; stopping");
+            error!(event_id = %env.id(), reason, "undeliverable event and no dead-letter exchange; stopping");
             return Err(RelayError::Undeliverable {
-                id: env.id,
+                id: env.id().to_owned(),
                 reason: reason.to_owned(),
             });
         };
-        error!(event_id = %env.id, reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
+        error!(event_id = %env.id(), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
         let dl = env.dead_letter(dlx, reason, attempts);
         Ok((
             InFlight::new(
@@ -245,7 +301,7 @@ impl Publisher<'_> {
                     return Err(RelayError::Render(e));
                 };
                 let dl = dead_letter_unrenderable(&ev, &e, dlx);
-                error!(event_id = %dl.id, reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %event_id(&ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
                 return Ok((
                     InFlight::new(
                         seq,
@@ -261,14 +317,14 @@ impl Publisher<'_> {
             let limit = self.cfg.max_message_bytes;
             let Some(dlx) = &self.cfg.dead_letter_exchange else {
                 return Err(RelayError::Undeliverable {
-                    id: env.id,
+                    id: env.id().to_owned(),
                     reason: format!(
                         "body of {} bytes exceeds rabbitmq.max_message_bytes ({limit})",
                         env.body.len()
                     ),
                 });
             };
-            error!(event_id = %env.id, bytes = env.body.len(), limit, "dead-lettering oversized event");
+            error!(event_id = %env.id(), bytes = env.body.len(), limit, "dead-lettering oversized event");
             let dl = env.dead_letter_oversized(dlx, limit);
             return Ok((
                 InFlight::new(
@@ -315,7 +371,7 @@ impl Publisher<'_> {
                     unreachable!("checked by is_dead_letter")
                 };
                 Err(SinkError::DeadLetterRefused {
-                    id: env.id,
+                    id: env.id().to_owned(),
                     exchange: env.exchange.to_string(),
                     reason: reply,
                 }
@@ -405,10 +461,7 @@ pub async fn run(
         Box::pin(deliver(&handle, f, env))
     };
     let mut confirms = FuturesUnordered::new();
-    // The broker's last sign of life while messages wait for it: a confirm,
-    // or the first publish after none were waiting. Time blocked by a
-    // resource alarm does not count.
-    let mut answered = Instant::now();
+    let mut waiting = Waiting::new();
     let mut retries = FuturesUnordered::new();
     let window = cfg.window as u64;
     let mut open = true;
@@ -434,17 +487,17 @@ pub async fn run(
         tokio::select! {
             biased;
             Some((f, res)) = confirms.next(), if !confirms.is_empty() => {
-                answered = Instant::now();
+                let f: InFlight = f;
+                waiting.answered(f.seq);
                 if let Some((delay, f)) = p.settle(f, res)? {
                     retries.push(after(delay, f));
                 }
             }
             Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
-                if confirms.is_empty() {
-                    answered = Instant::now();
-                }
                 let env = f.envelope()?;
+                waiting.launched(f.seq);
                 if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
+                    waiting.answered(f.seq);
                     if let Some((delay, f)) = p.settle(f, res)? {
                         retries.push(after(delay, f));
                     }
@@ -460,11 +513,10 @@ pub async fn run(
                 }
                 Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
                 Some(SinkItem::Event(ev)) => {
-                    if confirms.is_empty() {
-                        answered = Instant::now();
-                    }
                     let (f, env) = p.prepare(ev)?;
+                    waiting.launched(f.seq);
                     if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
+                        waiting.answered(f.seq);
                         if let Some((delay, f)) = p.settle(f, res)? {
                             retries.push(after(delay, f));
                         }
@@ -495,9 +547,7 @@ pub async fn run(
             }
             _ = gauges.tick() => {
                 p.update_gauges();
-                if blocked || confirms.is_empty() {
-                    answered = Instant::now();
-                } else if answered.elapsed() >= cfg.confirm_timeout {
+                if waiting.overdue(blocked, cfg.confirm_timeout) {
                     return Err(SinkError::ConfirmTimeout {
                         in_flight: confirms.len() as u64,
                         secs: cfg.confirm_timeout.as_secs(),
@@ -518,6 +568,53 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn one_stuck_message_is_overdue_while_others_are_confirmed() {
+        let timeout = Duration::from_secs(5);
+        let mut w = Waiting::new();
+        w.launched(1);
+        for seq in 2..=6 {
+            tokio::time::advance(Duration::from_millis(900)).await;
+            w.launched(seq);
+            w.answered(seq);
+            assert!(!w.overdue(false, timeout), "seq {seq}");
+        }
+        // Message 1 has waited 4.5 s; at 5.4 s it is overdue.
+        tokio::time::advance(Duration::from_millis(900)).await;
+        assert!(w.overdue(false, timeout));
+        w.answered(1);
+        assert!(!w.overdue(false, timeout), "nothing waits");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn alarm_and_stall_time_do_not_count() {
+        let timeout = Duration::from_secs(5);
+        let mut w = Waiting::new();
+        w.launched(1);
+        for _ in 0..10 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert!(!w.overdue(true, timeout), "blocked");
+        }
+        for _ in 0..4 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert!(!w.overdue(false, timeout));
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(w.overdue(false, timeout), "5 s unblocked");
+
+        // A process stall longer than a few checks restarts the count.
+        let mut w = Waiting::new();
+        w.launched(1);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(!w.overdue(false, timeout), "first check after a stall");
+        for _ in 0..4 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert!(!w.overdue(false, timeout));
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(w.overdue(false, timeout), "5 s counted since the stall");
+    }
 
     #[test]
     fn retry_delay_doubles_and_caps() {
