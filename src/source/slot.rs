@@ -169,8 +169,14 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
         }
     }
 
+    // Relays of several deployments may run `setup` at once on a fresh
+    // database, and CREATE TABLE IF NOT EXISTS is not safe against a
+    // concurrent create (unique violation on pg_type): serialize it.
     client
-        .batch_execute(&super::checkpoint_table::create_sql(cfg))
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock(hashtext('outbox-relay setup')); {}; COMMIT",
+            super::checkpoint_table::create_sql(cfg)
+        ))
         .await
         .map_err(sql_err(
             pg,
