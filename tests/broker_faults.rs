@@ -1,10 +1,11 @@
 //! The broker goes away mid-stream, while a producer keeps committing:
-//! (a) RabbitMQ stopped and started again, (b) every connection force-closed.
-//! Every committed event arrives at least once (duplicates counted), and the
-//! relay process survives: it reconnects, it does not exit.
+//! (a) RabbitMQ stopped and started again, (b) every connection force-closed,
+//! (c) the broker hung (its VM stopped with connections open). Every
+//! committed event arrives at least once (duplicates counted), and the relay
+//! process survives: it reconnects, it does not exit.
 //!
-//! Both faults hit the whole broker, so the two tests of this binary take
-//! turns (`SERIAL`); cargo runs test binaries one after another.
+//! The faults hit the whole broker, so the tests of this binary take turns
+//! (`SERIAL`); cargo runs test binaries one after another.
 
 mod common;
 
@@ -20,7 +21,13 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 enum Fault {
     StopStart,
     CloseAllConnections,
+    /// The broker's VM stopped (`SIGSTOP`), connections open: silence, not
+    /// a closed socket. Only `rabbitmq.confirm_timeout_secs` can notice.
+    Hang,
 }
+
+/// Confirm timeout of the `Hang` fault's relay.
+const HANG_CONFIRM_TIMEOUT: &str = "confirm_timeout_secs = 2\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn broker_stop_start_mid_stream_loses_nothing() {
@@ -32,10 +39,21 @@ async fn broker_closes_all_connections_mid_stream_loses_nothing() {
     broker_fault_mid_stream("brkclose", Fault::CloseAllConnections).await;
 }
 
+/// A hung broker while messages wait for confirms: the session must end
+/// within the confirm timeout, and after the broker resumes every committed
+/// event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hung_broker_ends_the_session_after_the_confirm_timeout() {
+    broker_fault_mid_stream("brkhung", Fault::Hang).await;
+}
+
 async fn broker_fault_mid_stream(name: &str, fault: Fault) {
     let _turn = SERIAL.lock().await;
     let started = Instant::now();
-    let mut fx = Fixture::new(name).await;
+    let mut fx = match fault {
+        Fault::Hang => Fixture::with_config(name, HANG_CONFIRM_TIMEOUT).await,
+        _ => Fixture::new(name).await,
+    };
     // The test's own consumer connection dies with the fault too; this one
     // comes back by itself.
     let subscriptions = fx.start_reconnecting_consumer().await;
@@ -64,6 +82,29 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
                 &["ctl", "close_all_connections", "test: failure injection"],
             )
             .await;
+        }
+        Fault::Hang => {
+            rabbitmq_ctl(&["freeze"]);
+            let _thaw = Thaw;
+            // The producer keeps committing, so messages wait for confirms
+            // that cannot come. 2 s of timeout, checked every second, plus
+            // margin.
+            let deadline = Instant::now() + Duration::from_secs(6);
+            while !relay.log_text().contains("no publisher confirm within") {
+                if Instant::now() > deadline {
+                    panic!(
+                        "no confirm timeout within 6 s of the broker hanging ({}); log:\n{}",
+                        HANG_CONFIRM_TIMEOUT.trim(),
+                        relay.log_tail()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            println!(
+                "hung broker: confirm timeout noticed {:.1} s after the freeze",
+                fault_at.elapsed().as_secs_f64()
+            );
+            relay.assert_running("while the broker is hung");
         }
     }
     let fault_secs = fault_at.elapsed().as_secs_f64();
@@ -99,10 +140,13 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
         sessions >= 2,
         "expected a new session after the fault, saw {sessions}"
     );
-    assert!(
-        subscriptions.load(Ordering::SeqCst) >= 2,
-        "the test consumer was never cut off: did the fault happen?"
-    );
+    // A hung broker keeps its connections: only the others cut them.
+    if !matches!(fault, Fault::Hang) {
+        assert!(
+            subscriptions.load(Ordering::SeqCst) >= 2,
+            "the test consumer was never cut off: did the fault happen?"
+        );
+    }
     println!(
         "broker fault {fault:?}: {} committed events in {} txs, {} deliveries, {duplicates} duplicates; \
          fault took {fault_secs:.1}s, catch-up after producer stop {catch_up_secs:.1}s, \
@@ -131,79 +175,4 @@ impl Drop for Thaw {
     fn drop(&mut self) {
         rabbitmq_ctl(&["thaw"]);
     }
-}
-
-/// A hung broker (its VM stopped, connections open: silence, not a closed
-/// socket) while messages wait for confirms. Nothing closes the connection,
-/// so only `rabbitmq.confirm_timeout_secs` can notice: the session must end
-/// within it, and after the broker resumes every committed event arrives.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn hung_broker_ends_the_session_after_the_confirm_timeout() {
-    let _turn = SERIAL.lock().await;
-    let mut fx = Fixture::with_config("brkhung", "confirm_timeout_secs = 2\n").await;
-    let subscriptions = fx.start_reconnecting_consumer().await;
-    let mut relay = fx.spawn_relay();
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 1), stop.clone());
-    let mut all = Vec::new();
-    fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
-        .await;
-
-    let frozen_at = Instant::now();
-    rabbitmq_ctl(&["freeze"]);
-    let thaw = Thaw;
-    // The producer keeps committing, so messages are waiting for confirms
-    // that cannot come. 2 s of timeout, checked every second, plus margin.
-    let deadline = Instant::now() + Duration::from_secs(6);
-    let noticed = loop {
-        if relay.log_text().contains("no publisher confirm within") {
-            break Some(frozen_at.elapsed());
-        }
-        if Instant::now() > deadline {
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    relay.assert_running("while the broker is hung");
-    drop(thaw);
-    let noticed = noticed.unwrap_or_else(|| {
-        panic!(
-            "no confirm timeout within 6 s of the broker hanging (confirm_timeout_secs = 2); log:\n{}",
-            relay.log_tail()
-        )
-    });
-
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
-    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(90),
-        Duration::from_secs(1),
-        Some(&relay),
-    )
-    .await;
-    let duplicates = check_deliveries(&[&report], &all);
-    let sessions = relay.log_text().matches("streaming from LSN").count();
-    assert!(
-        sessions >= 2,
-        "expected a new session after the timeout, saw {sessions}"
-    );
-    println!(
-        "hung broker: confirm timeout noticed {:.1} s after the freeze; {} committed events, {} deliveries, \
-         {duplicates} duplicates, {sessions} sessions, consumer subscriptions {}",
-        noticed.as_secs_f64(),
-        ids.len(),
-        all.len(),
-        subscriptions.load(Ordering::SeqCst)
-    );
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
-    fx.refresh_amqp().await;
-    fx.cleanup().await;
 }

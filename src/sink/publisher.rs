@@ -92,15 +92,25 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn new(seq: Seq, content: Content, env: &Envelope, commit_time_us: i64) -> InFlight {
+    fn new(seq: Seq, content: Content, body_bytes: usize, commit_time_us: i64) -> InFlight {
         InFlight {
             commit_time_us,
             seq,
             content,
             attempts: 0,
-            body_bytes: env.body.len(),
+            body_bytes,
             published_at: Instant::now(),
         }
+    }
+
+    fn dead_letter(seq: Seq, commit_time_us: i64, dl: Envelope) -> InFlight {
+        let bytes = dl.body.len();
+        InFlight::new(
+            seq,
+            Content::DeadLetter(Box::new(dl)),
+            bytes,
+            commit_time_us,
+        )
     }
 
     fn is_dead_letter(&self) -> bool {
@@ -246,6 +256,8 @@ struct Publisher<'a> {
     metrics: &'a Metrics,
     cp: Checkpoint,
     watermark: &'a watch::Sender<Progress>,
+    /// Messages published and not yet answered, for the confirm timeout.
+    waiting: Waiting,
 }
 
 impl Publisher<'_> {
@@ -268,7 +280,7 @@ impl Publisher<'_> {
         env: Envelope,
         reason: &str,
         attempts: u32,
-    ) -> Result<(InFlight, Envelope), RelayError> {
+    ) -> Result<InFlight, RelayError> {
         let Some(dlx) = &self.cfg.dead_letter_exchange else {
             error!(event_id = %env.id(), reason, "undeliverable event and no dead-letter exchange; stopping");
             return Err(RelayError::Undeliverable {
@@ -278,39 +290,39 @@ impl Publisher<'_> {
         };
         error!(event_id = %env.id(), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
         let dl = env.dead_letter(dlx, reason, attempts);
-        Ok((
-            InFlight::new(
-                seq,
-                Content::DeadLetter(Box::new(dl.clone())),
-                &dl,
-                commit_time_us,
-            ),
-            dl,
-        ))
+        Ok(InFlight::dead_letter(seq, commit_time_us, dl))
     }
 
     /// A new event: render, check size; what to publish (or dead-letter).
     fn prepare(&mut self, ev: OutboxEvent) -> Result<(InFlight, Envelope), RelayError> {
         let seq = self.cp.publish()?;
         let commit_time_us = ev.commit_time_us;
-        let env = match render(&ev) {
+        match self.message(&ev)? {
+            Ok(env) => Ok((
+                InFlight::new(seq, Content::Event(ev), env.body.len(), commit_time_us),
+                env,
+            )),
+            Err(dl) => {
+                let f = InFlight::dead_letter(seq, commit_time_us, dl);
+                let env = f.envelope()?;
+                Ok((f, env))
+            }
+        }
+    }
+
+    /// The message for `ev`, or (`Err`) its dead letter when it cannot be
+    /// sent as it stands; without a dead-letter exchange, the error that
+    /// stops the relay.
+    fn message(&self, ev: &OutboxEvent) -> Result<Result<Envelope, Envelope>, RelayError> {
+        let env = match render(ev) {
             Ok(env) => env,
             Err(e) => {
                 let Some(dlx) = &self.cfg.dead_letter_exchange else {
                     error!(error = %e, "undeliverable event and no dead-letter exchange; stopping");
                     return Err(RelayError::Render(e));
                 };
-                let dl = dead_letter_unrenderable(&ev, &e, dlx);
-                error!(event_id = %event_id(&ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
-                return Ok((
-                    InFlight::new(
-                        seq,
-                        Content::DeadLetter(Box::new(dl.clone())),
-                        &dl,
-                        commit_time_us,
-                    ),
-                    dl,
-                ));
+                error!(event_id = %event_id(ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
+                return Ok(Err(dead_letter_unrenderable(ev, &e, dlx)));
             }
         };
         if env.body.len() > self.cfg.max_message_bytes {
@@ -325,21 +337,9 @@ impl Publisher<'_> {
                 });
             };
             error!(event_id = %env.id(), bytes = env.body.len(), limit, "dead-lettering oversized event");
-            let dl = env.dead_letter_oversized(dlx, limit);
-            return Ok((
-                InFlight::new(
-                    seq,
-                    Content::DeadLetter(Box::new(dl.clone())),
-                    &dl,
-                    commit_time_us,
-                ),
-                dl,
-            ));
+            return Ok(Err(env.dead_letter_oversized(dlx, limit)));
         }
-        Ok((
-            InFlight::new(seq, Content::Event(ev), &env, commit_time_us),
-            env,
-        ))
+        Ok(Ok(env))
     }
 
     /// The broker answered `f`. Returns what to publish again, and when.
@@ -348,6 +348,7 @@ impl Publisher<'_> {
         mut f: InFlight,
         res: Result<(), SinkError>,
     ) -> Result<Option<(Duration, InFlight)>, RelayError> {
+        self.waiting.answered(f.seq);
         match res {
             Ok(()) => {
                 self.metrics
@@ -366,17 +367,17 @@ impl Publisher<'_> {
                 self.advance(moved);
                 Ok(None)
             }
-            Err(SinkError::Returned { reply, .. }) if f.is_dead_letter() => {
-                let Content::DeadLetter(env) = f.content else {
-                    unreachable!("checked by is_dead_letter")
-                };
-                Err(SinkError::DeadLetterRefused {
-                    id: env.id().to_owned(),
-                    exchange: env.exchange.to_string(),
-                    reason: reply,
-                }
-                .into())
+            Err(SinkError::Returned {
+                id,
+                exchange,
+                reply,
+                ..
+            }) if f.is_dead_letter() => Err(SinkError::DeadLetterRefused {
+                id,
+                exchange,
+                reason: reply,
             }
+            .into()),
             Err(SinkError::Returned {
                 id,
                 reply,
@@ -390,8 +391,7 @@ impl Publisher<'_> {
                         f.attempts
                     );
                     let env = f.envelope()?;
-                    let (dl, _) =
-                        self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
+                    let dl = self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
                     return Ok(Some((Duration::ZERO, dl)));
                 }
                 self.metrics
@@ -454,6 +454,7 @@ pub async fn run(
         metrics,
         cp: Checkpoint::new(start),
         watermark,
+        waiting: Waiting::new(),
     };
     let handle = sink.handle();
     let start = |mut f: InFlight, env: Envelope| {
@@ -461,7 +462,6 @@ pub async fn run(
         Box::pin(deliver(&handle, f, env))
     };
     let mut confirms = FuturesUnordered::new();
-    let mut waiting = Waiting::new();
     let mut retries = FuturesUnordered::new();
     let window = cfg.window as u64;
     let mut open = true;
@@ -487,17 +487,14 @@ pub async fn run(
         tokio::select! {
             biased;
             Some((f, res)) = confirms.next(), if !confirms.is_empty() => {
-                let f: InFlight = f;
-                waiting.answered(f.seq);
                 if let Some((delay, f)) = p.settle(f, res)? {
                     retries.push(after(delay, f));
                 }
             }
             Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
                 let env = f.envelope()?;
-                waiting.launched(f.seq);
+                p.waiting.launched(f.seq);
                 if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
-                    waiting.answered(f.seq);
                     if let Some((delay, f)) = p.settle(f, res)? {
                         retries.push(after(delay, f));
                     }
@@ -514,9 +511,8 @@ pub async fn run(
                 Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
                 Some(SinkItem::Event(ev)) => {
                     let (f, env) = p.prepare(ev)?;
-                    waiting.launched(f.seq);
+                    p.waiting.launched(f.seq);
                     if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
-                        waiting.answered(f.seq);
                         if let Some((delay, f)) = p.settle(f, res)? {
                             retries.push(after(delay, f));
                         }
@@ -547,7 +543,7 @@ pub async fn run(
             }
             _ = gauges.tick() => {
                 p.update_gauges();
-                if waiting.overdue(blocked, cfg.confirm_timeout) {
+                if p.waiting.overdue(blocked, cfg.confirm_timeout) {
                     return Err(SinkError::ConfirmTimeout {
                         in_flight: confirms.len() as u64,
                         secs: cfg.confirm_timeout.as_secs(),
