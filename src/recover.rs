@@ -9,8 +9,6 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
@@ -19,7 +17,7 @@ use crate::message::render;
 use crate::outbox::{Mapping, OutboxEvent};
 use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
 use crate::relay::RelayError;
-use crate::sink::{AmqpSink, SinkError, check_confirmation};
+use crate::sink::{AmqpSink, Unconfirmed};
 use crate::source::checkpoint_table;
 use crate::source::slot::{self, SlotInfo};
 use crate::source::{SourceError, connect_sql, sql_err};
@@ -139,31 +137,34 @@ pub async fn select_events(
 /// `rabbitmq.window`); returns how many the broker confirmed. Stops at the
 /// first failure: re-running is safe, ids are stable.
 pub async fn publish_all(cfg: &Config, events: &[OutboxEvent]) -> Result<usize, RelayError> {
-    let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
-    let mut pending = FuturesUnordered::new();
+    let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
+    let mut pending = Unconfirmed::default();
+    let mut settled = Vec::new();
     let mut confirmed = 0;
-    for ev in events {
-        let env = render(ev)?;
-        let id = env.id().to_owned();
-        let confirm = sink.publish(env).await?;
-        pending.push(async move {
-            let c = confirm.await.map_err(|source| SinkError::Amqp {
-                what: "waiting for a publisher confirm",
-                url: String::from("broker connection"),
-                source,
-            })?;
-            check_confirmation(c, || id)
-        });
-        while pending.len() >= cfg.rabbitmq.window {
-            if let Some(r) = pending.next().await {
-                r?;
-                confirmed += 1;
+    let mut events = events.iter();
+    loop {
+        let next = if pending.len() < cfg.rabbitmq.window && !sink.wants_flush() {
+            events.next()
+        } else {
+            None
+        };
+        match next {
+            Some(ev) => {
+                let env = render(ev)?;
+                let id = env.id().to_owned();
+                let tag = sink.publish(env)?;
+                pending.push(tag, id);
+            }
+            None if pending.is_empty() => break,
+            None => {
+                let ev = sink.answer().await?;
+                pending.apply(ev, String::clone, &mut settled)?;
+                for (_, res) in settled.drain(..) {
+                    res?;
+                    confirmed += 1;
+                }
             }
         }
-    }
-    while let Some(r) = pending.next().await {
-        r?;
-        confirmed += 1;
     }
     sink.close().await;
     Ok(confirmed)

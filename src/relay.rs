@@ -166,7 +166,7 @@ async fn session(
 ) -> Result<Lsn, RelayError> {
     let sql = Arc::new(connect_sql(&cfg.postgres).await?);
     let start = usable_slot(&sql, cfg).await?;
-    let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
+    let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
     info!("connected to RabbitMQ");
     let mut repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
     info!(slot = %cfg.postgres.slot, lsn = %start, "streaming from LSN");
@@ -200,7 +200,7 @@ async fn session(
     );
     let sink_loop = async {
         let r = publisher::run(
-            &sink,
+            &mut sink,
             items_rx,
             &wm_tx,
             &cfg.rabbitmq,

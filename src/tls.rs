@@ -616,6 +616,23 @@ pub fn rabbitmq_tls(ca_file: Option<&Path>) -> Result<lapin::tcp::OwnedTLSConfig
     })
 }
 
+/// The relay's own AMQP connection's TLS settings: the Mozilla roots, and
+/// the CA file's certificates besides, as for `check` (lapin).
+pub fn rabbitmq_client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
+    let provider = provider();
+    let mut roots = RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        roots.add_parsable_certificates(read_ca_file(path)?.1);
+    }
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
 // -------------------------------------------------------------- failures
 
 /// Why a TLS handshake failed, as far as the operator is concerned.

@@ -250,6 +250,79 @@ pub async fn publish_pipelined(
     Ok(tally)
 }
 
+/// The relay's own client (`outbox_relay::sink::wire`), connected.
+pub async fn connect_wire(url: &str, name: &str) -> Result<outbox_relay::sink::wire::Wire> {
+    let target = outbox_relay::sink::wire::Target {
+        uri: url.parse().map_err(anyhow::Error::msg)?,
+        tls: None,
+        connection_name: name.into(),
+    };
+    Ok(outbox_relay::sink::wire::Wire::connect(&target).await?)
+}
+
+/// Publishes with the relay's client, driven as the relay drives it: a
+/// batch of publishes queued into its write buffer, written in one go
+/// while the answers are read; it waits for answers only when the window
+/// is full or everything is out. The message's `message_id` must be
+/// unique within the window (returns are matched by it).
+pub async fn publish_wire(
+    wire: &mut outbox_relay::sink::wire::Wire,
+    exchange: &str,
+    routing_key: &str,
+    window: usize,
+    n: u64,
+    mut msg: impl FnMut(u64) -> (Vec<u8>, BasicProperties),
+) -> Result<Tally> {
+    use futures_util::FutureExt;
+    use outbox_relay::message::Envelope;
+    use outbox_relay::sink::{SinkError, Unconfirmed};
+
+    let mut tally = Tally::default();
+    let mut pending: Unconfirmed<String> = Unconfirmed::default();
+    let mut settled = Vec::new();
+    let mut i = 0;
+    while i < n || !pending.is_empty() {
+        for _ in 0..256 {
+            if i == n || pending.len() >= window || wire.wants_flush() {
+                break;
+            }
+            let (body, properties) = msg(i);
+            i += 1;
+            let id = properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.to_string())
+                .unwrap_or_default();
+            let env = Envelope {
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                body: body.into(),
+                properties,
+            };
+            pending.push(wire.publish(env)?, id);
+        }
+        let room = i < n && pending.len() < window;
+        let ev = if room {
+            match wire.event().now_or_never() {
+                Some(ev) => ev?,
+                None => continue,
+            }
+        } else {
+            wire.event().await?
+        };
+        pending.apply(ev, String::clone, &mut settled)?;
+        for (_, res) in settled.drain(..) {
+            match res {
+                Ok(()) => tally.acked += 1,
+                Err(SinkError::Nacked { .. }) => tally.nacked += 1,
+                Err(SinkError::Returned { .. }) => tally.returned += 1,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(tally)
+}
+
 /// The naive way: await each `basic_publish` (lapin's I/O loop writing the
 /// frames) before issuing the next; confirms are still awaited concurrently
 /// within the window.

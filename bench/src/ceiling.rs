@@ -29,18 +29,63 @@ pub struct PublisherRun {
 pub const LAPIN_AWAIT_EACH: &str = "lapin, awaiting each publish";
 pub const LAPIN_PIPELINED: &str = "lapin, pipelined";
 pub const AMQPLIB: &str = "amqplib (Node)";
+pub const RELAY_CLIENT: &str = "outbox-relay's AMQP client";
+/// Every bare publisher, in the order the report lists them.
+pub const PUBLISHERS: [&str; 4] = [LAPIN_AWAIT_EACH, LAPIN_PIPELINED, RELAY_CLIENT, AMQPLIB];
 
-/// lapin, one connection and channel in confirm mode; `pipelined` selects
-/// [`crate::amqp::publish_pipelined`] over
-/// [`crate::amqp::publish_awaiting_each`]. Runs as a process of its own
-/// (`relay-bench publish`), set up as the relay is (one-thread runtime,
-/// mimalloc), so that its CPU is the publisher's alone.
-pub async fn lapin(
+/// A bare publisher in Rust, run as a process of its own (`relay-bench
+/// publish`), set up as the relay is (one-thread runtime, mimalloc), so
+/// that its CPU is the publisher's alone.
+#[derive(Debug, Clone, Copy)]
+pub enum RustPublisher {
+    /// lapin, [`crate::amqp::publish_awaiting_each`].
+    LapinAwaitEach,
+    /// lapin, [`crate::amqp::publish_pipelined`].
+    LapinPipelined,
+    /// The relay's own AMQP client (`outbox_relay::sink::wire`), driven as
+    /// the relay drives it.
+    RelayClient,
+}
+
+impl RustPublisher {
+    fn name(self) -> &'static str {
+        match self {
+            RustPublisher::LapinAwaitEach => LAPIN_AWAIT_EACH,
+            RustPublisher::LapinPipelined => LAPIN_PIPELINED,
+            RustPublisher::RelayClient => RELAY_CLIENT,
+        }
+    }
+
+    fn flag(self) -> &'static str {
+        match self {
+            RustPublisher::LapinAwaitEach => "--await-each",
+            RustPublisher::LapinPipelined => "--pipelined",
+            RustPublisher::RelayClient => "--relay-client",
+        }
+    }
+
+    fn description(self) -> &'static str {
+        match self {
+            RustPublisher::LapinAwaitEach => {
+                "`basic_publish(..).await` before the next publish, confirms awaited concurrently, at most `window` unconfirmed"
+            }
+            RustPublisher::LapinPipelined => {
+                "each basic_publish future polled once (frames queued in order), completions and confirms awaited concurrently, at most `window` unconfirmed"
+            }
+            RustPublisher::RelayClient => {
+                "the relay's publishing client: one task owns the socket; publishes queued into its write buffer a batch at a time and written while answers are read, at most `window` unconfirmed"
+            }
+        }
+    }
+}
+
+/// Runs publisher `which` over `n` messages.
+pub async fn rust_publisher(
     url: &str,
     exchange: &str,
     window: usize,
     n: u64,
-    pipelined: bool,
+    which: RustPublisher,
 ) -> Result<PublisherRun> {
     let exe = std::env::current_exe()?;
     let mut cmd = tokio::process::Command::new(exe);
@@ -48,25 +93,14 @@ pub async fn lapin(
         .args(["--exchange", exchange])
         .args(["--window", &window.to_string()])
         .args(["--events", &n.to_string()])
+        .arg(which.flag())
         // The URL carries the password: not on the command line.
         .env("BENCH_PUBLISH_URL", url)
         .kill_on_drop(true);
-    if pipelined {
-        cmd.arg("--pipelined");
-    }
-    let r = run_publisher(cmd, "relay-bench publish").await?;
+    let r = run_publisher(cmd, &format!("relay-bench publish {}", which.flag())).await?;
     Ok(PublisherRun {
-        name: if pipelined {
-            LAPIN_PIPELINED
-        } else {
-            LAPIN_AWAIT_EACH
-        }
-        .into(),
-        description: if pipelined {
-            "each basic_publish future polled once (frames queued in order), completions and confirms awaited concurrently, at most `window` unconfirmed".into()
-        } else {
-            "`basic_publish(..).await` before the next publish, confirms awaited concurrently, at most `window` unconfirmed".into()
-        },
+        name: which.name().into(),
+        description: which.description().into(),
         events: r.events,
         seconds: r.seconds,
         events_per_s: r.events as f64 / r.seconds,
@@ -76,12 +110,14 @@ pub async fn lapin(
     })
 }
 
-/// `relay-bench publish --exchange X --window W --events N [--pipelined]`
+/// `relay-bench publish --exchange X --window W --events N
+/// (--await-each | --pipelined | --relay-client)`
 /// (URL in `BENCH_PUBLISH_URL`): publishes, prints one [`PublisherOut`]
 /// line. The clock and the CPU run from the first publish to the last
 /// confirm.
 pub async fn publish_main(args: &[String]) -> Result<()> {
     let (mut exchange, mut window, mut n, mut pipelined) = (String::new(), 1024, 0, false);
+    let mut relay_client = false;
     let mut it = args.iter();
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
@@ -89,11 +125,16 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
             "--exchange" => exchange = v()?.clone(),
             "--window" => window = v()?.parse()?,
             "--events" => n = v()?.parse()?,
+            "--await-each" => {}
             "--pipelined" => pipelined = true,
+            "--relay-client" => relay_client = true,
             _ => bail!("publish: unknown argument {k}"),
         }
     }
     let url = std::env::var("BENCH_PUBLISH_URL").context("BENCH_PUBLISH_URL is not set")?;
+    if relay_client {
+        return publish_relay_client(&url, &exchange, window, n).await;
+    }
     let conn = crate::amqp::connect(&url, "relay-bench ceiling").await?;
     let ch = crate::amqp::confirm_channel(&conn).await?;
     let tag = if pipelined { 0xc1 } else { 0xc0 };
@@ -117,6 +158,35 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
     let seconds = t.elapsed().as_secs_f64();
     let cpu_seconds = crate::procs::cpu_seconds("self")? - cpu0;
     let _ = conn.close(200, "bye".into()).await;
+    let out = PublisherOut {
+        events: n,
+        seconds,
+        cpu_seconds,
+        nacked: tally.nacked,
+        returned: tally.returned,
+    };
+    println!("{}", serde_json::to_string(&out)?);
+    Ok(())
+}
+
+/// [`publish_main`] with the relay's client.
+async fn publish_relay_client(url: &str, exchange: &str, window: usize, n: u64) -> Result<()> {
+    let mut wire = crate::amqp::connect_wire(url, "relay-bench ceiling").await?;
+    let tag = 0xc2;
+    let ts = unix_secs();
+    let cpu0 = crate::procs::cpu_seconds("self")?;
+    let t = Instant::now();
+    let tally = crate::amqp::publish_wire(&mut wire, exchange, ROUTING_KEY, window, n, |i| {
+        let i = i + 1;
+        (
+            payload(i).into_bytes(),
+            properties(&event_id(tag, i), &aggregate_id(i), ts),
+        )
+    })
+    .await?;
+    let seconds = t.elapsed().as_secs_f64();
+    let cpu_seconds = crate::procs::cpu_seconds("self")? - cpu0;
+    let _ = wire.close().await;
     let out = PublisherOut {
         events: n,
         seconds,

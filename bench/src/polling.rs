@@ -3,7 +3,7 @@
 //!
 //! Loop: claim up to `batch` pending rows (`UPDATE … WHERE id IN (SELECT …
 //! ORDER BY created_at LIMIT n FOR UPDATE SKIP LOCKED) RETURNING …`), publish
-//! them with confirms (the fast lapin path, the same window as the relay),
+//! them with confirms (the relay's own AMQP client, the same window),
 //! mark them published, repeat at once; sleep `poll_ms` when a claim comes
 //! back empty.
 
@@ -127,8 +127,7 @@ pub async fn dispatch_main(a: DispatchArgs) -> Result<()> {
     let pg_url = std::env::var("TEST_PG_URL").context("TEST_PG_URL")?;
     let amqp_url = std::env::var("TEST_AMQP_URL").context("TEST_AMQP_URL")?;
     let pg = crate::pg::connect(&pg_url).await?;
-    let conn = crate::amqp::connect(&amqp_url, "relay-bench polling dispatcher").await?;
-    let ch = crate::amqp::confirm_channel(&conn).await?;
+    let mut wire = crate::amqp::connect_wire(&amqp_url, "relay-bench polling dispatcher").await?;
     let claim = pg.prepare(&claim_sql(&a.table, a.batch)).await?;
     let mark = pg.prepare(&mark_sql(&a.table)).await?;
 
@@ -164,8 +163,8 @@ pub async fn dispatch_main(a: DispatchArgs) -> Result<()> {
         // Publish in creation order.
         rows.sort_by_key(|row| row.get::<_, i64>(3));
         let t = Instant::now();
-        let tally = crate::amqp::publish_pipelined(
-            &ch,
+        let tally = crate::amqp::publish_wire(
+            &mut wire,
             &a.exchange,
             ROUTING_KEY,
             a.window,
@@ -206,7 +205,7 @@ pub async fn dispatch_main(a: DispatchArgs) -> Result<()> {
     r.cpu_seconds = crate::procs::cpu_seconds(&me)?;
     r.peak_rss_bytes = crate::procs::peak_rss_bytes(&me)?;
     std::fs::write(&a.result, serde_json::to_vec(&r)?)?;
-    let _ = conn.close(200, "bye".into()).await;
+    let _ = wire.close().await;
     Ok(())
 }
 

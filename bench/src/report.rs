@@ -8,7 +8,7 @@ use serde::Serialize;
 use tokio_postgres::Client;
 
 use crate::Settings;
-use crate::ceiling::{AMQPLIB, LAPIN_AWAIT_EACH, LAPIN_PIPELINED};
+use crate::ceiling::{AMQPLIB, LAPIN_AWAIT_EACH, LAPIN_PIPELINED, PUBLISHERS};
 use crate::latency::LatencyRun;
 use crate::procs::command_output;
 use crate::run::QueueTypeResult;
@@ -305,7 +305,7 @@ fn throughput_md(r: &Report) -> String {
         "PostgreSQL decode limit: pg_recvlogical, pgoutput (rows/s)",
         &|q| opt(q.decode.as_ref().map(|d| d.rows_per_s)),
     );
-    for name in [LAPIN_AWAIT_EACH, LAPIN_PIPELINED, AMQPLIB] {
+    for name in PUBLISHERS {
         row(&mut m, &format!("broker: {name}"), &|q| {
             opt(publisher(q, name).map(|p| p.events_per_s))
         });
@@ -395,7 +395,7 @@ fn passes_md(r: &Report) -> String {
             let _ = write!(m, " {} |", num(d.events_per_s));
         }
         m.push('\n');
-        for name in [LAPIN_AWAIT_EACH, LAPIN_PIPELINED, AMQPLIB] {
+        for name in PUBLISHERS {
             let runs: Vec<_> = q
                 .publisher_passes
                 .iter()

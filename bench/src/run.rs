@@ -8,7 +8,7 @@ use serde::Serialize;
 use tokio_postgres::Client;
 
 use crate::Settings;
-use crate::ceiling::PublisherRun;
+use crate::ceiling::{PublisherRun, RustPublisher};
 use crate::latency::LatencyRun;
 use crate::polling::{DispatchArgs, Dispatcher, claim_sql};
 use crate::relay::{RelayConfig, metric_value};
@@ -300,17 +300,42 @@ async fn queue_type_round(
         );
         r.relay_published_metric = d.1;
         r.relay_passes.push(d.0);
-        let publishers = if s.relay_only { 0 } else { 3 };
+        let publishers = if s.relay_only { 0 } else { 4 };
         for which in 0..publishers {
             probe.purge().await?;
             let run = match which {
                 0 => {
                     eprintln!("  ceiling: lapin awaiting each publish ...");
-                    crate::ceiling::lapin(&s.amqp_url, &n.exchange, window, s.events, false).await?
+                    crate::ceiling::rust_publisher(
+                        &s.amqp_url,
+                        &n.exchange,
+                        window,
+                        s.events,
+                        RustPublisher::LapinAwaitEach,
+                    )
+                    .await?
                 }
                 1 => {
                     eprintln!("  ceiling: lapin pipelined ...");
-                    crate::ceiling::lapin(&s.amqp_url, &n.exchange, window, s.events, true).await?
+                    crate::ceiling::rust_publisher(
+                        &s.amqp_url,
+                        &n.exchange,
+                        window,
+                        s.events,
+                        RustPublisher::LapinPipelined,
+                    )
+                    .await?
+                }
+                2 => {
+                    eprintln!("  ceiling: outbox-relay's client ...");
+                    crate::ceiling::rust_publisher(
+                        &s.amqp_url,
+                        &n.exchange,
+                        window,
+                        s.events,
+                        RustPublisher::RelayClient,
+                    )
+                    .await?
                 }
                 _ => match node {
                     Ok(_) => {
@@ -363,11 +388,7 @@ async fn queue_type_round(
         .iter()
         .max_by(|a, b| a.events_per_s.total_cmp(&b.events_per_s))
         .cloned();
-    for name in [
-        crate::ceiling::LAPIN_AWAIT_EACH,
-        crate::ceiling::LAPIN_PIPELINED,
-        crate::ceiling::AMQPLIB,
-    ] {
+    for name in crate::ceiling::PUBLISHERS {
         if let Some(best) = r
             .publisher_passes
             .iter()

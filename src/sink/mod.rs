@@ -5,35 +5,35 @@
 //! channel are issued in publish order, so per-aggregate order is kept by
 //! construction. Why `mandatory`: without it the broker silently drops a
 //! message no queue is bound for, and still confirms it. With it, the message
-//! comes back (`basic.return`) before the confirm; lapin hands it over inside
-//! the `Ack`, and we treat that as a failure, never as delivered.
+//! comes back (`basic.return`) before the confirm, and we treat it as a
+//! failure, never as delivered.
+//!
+//! The connection is [`wire::Wire`], a publishing-only AMQP client driven by
+//! the publishing task itself (see there why not lapin).
 
 pub mod publisher;
+pub mod wire;
 
+use std::collections::VecDeque;
 use std::time::Duration;
-
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, ExchangeKind};
-use lapin::{Confirmation, PublisherConfirm};
 
 use crate::config::{RabbitmqConfig, redact_url};
 use crate::message::Envelope;
 use crate::tls::{self, TlsFailure};
+use wire::{Event, Returned, Target, Wire, WireError};
 
 /// What went wrong on the broker side.
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    /// A lapin call failed (connection lost, channel closed, refused...).
+    /// The connection failed (lost, closed or refused by the broker...).
     #[error("{what} ({url}): {source}")]
     Amqp {
         /// The call that failed.
         what: &'static str,
         /// The broker URL, password masked.
         url: String,
-        /// lapin's error.
-        source: lapin::Error,
+        /// What happened.
+        source: WireError,
     },
     /// The exchange named in the config does not exist.
     #[error("exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange")]
@@ -98,17 +98,7 @@ impl SinkError {
     /// restart, a nack); false when the operator must change something.
     pub fn is_transient(&self) -> bool {
         match self {
-            SinkError::Amqp { source, .. } => match source.kind() {
-                lapin::ErrorKind::ProtocolError(e) => {
-                    !matches!(
-                        e.kind(),
-                        AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
-                            | AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
-                            | AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
-                    ) && e.get_id() != 403
-                }
-                _ => source.can_be_recovered(),
-            },
+            SinkError::Amqp { source, .. } => source.is_transient(),
             SinkError::NoExchange(_)
             | SinkError::Tls(_)
             | SinkError::Returned { .. }
@@ -121,30 +111,12 @@ impl SinkError {
     }
 }
 
-/// Deadline for connecting, for each control call, and for a publish while
-/// the broker is not blocking us.
+/// Deadline for connecting and for each control call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
-
-async fn deadline<T>(
-    what: &'static str,
-    url: &str,
-    fut: impl Future<Output = lapin::Result<T>>,
-) -> Result<T, SinkError> {
-    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(source)) => Err(SinkError::Amqp {
-            what,
-            url: redact_url(url),
-            source,
-        }),
-        Err(_) => Err(SinkError::Timeout(what)),
-    }
-}
 
 /// A connected publisher.
 pub struct AmqpSink {
-    conn: Connection,
-    channel: Channel,
+    wire: Wire,
     url: String,
 }
 
@@ -152,178 +124,348 @@ impl AmqpSink {
     /// Connects, opens the publishing channel in confirm mode, and checks
     /// that a fixed exchange exists.
     pub async fn connect(cfg: &RabbitmqConfig) -> Result<AmqpSink, SinkError> {
-        let url = cfg.url.expose();
-        let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        // Used by amqps:// URLs only; lapin decides by the scheme.
-        let tls_config = tls::rabbitmq_tls(cfg.ca_file.as_deref())
+        let url = redact_url(cfg.url.expose());
+        let amqp = |what, source| SinkError::Amqp {
+            what,
+            url: url.clone(),
+            source,
+        };
+        let uri = cfg
+            .url
+            .expose()
+            .parse()
+            .map_err(|e: String| amqp("parsing rabbitmq.url", WireError::Unsupported(e)))?;
+        let tls = tls::rabbitmq_client_config(cfg.ca_file.as_deref())
             .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?;
-        let builder = DefaultConnectionBuilder::new()
-            .map_err(|source| SinkError::Amqp {
-                what: "connecting to RabbitMQ",
-                url: redact_url(url),
-                source,
-            })?
-            .with_uri_str(url.to_owned())
-            .with_properties(props)
-            .with_tls_config(tls_config);
-        let conn = match deadline("connecting to RabbitMQ", url, builder.connect()).await {
-            Err(SinkError::Amqp { source, .. })
-                if TlsFailure::find(&source).is_some_and(|f| f.is_permanent()) =>
-            {
-                let f = TlsFailure::find(&source).expect("just found");
-                return Err(SinkError::Tls(tls::rabbitmq_failure(&f, &redact_url(url))));
+        let target = Target {
+            uri,
+            tls: Some(tls),
+            connection_name: "outbox-relay".into(),
+        };
+        let what = "connecting to RabbitMQ";
+        let wire = match tokio::time::timeout(CALL_TIMEOUT, Wire::connect(&target)).await {
+            Err(_) => return Err(SinkError::Timeout(what)),
+            Ok(Err(source)) => {
+                if let Some(f) = TlsFailure::find(&source).filter(TlsFailure::is_permanent) {
+                    return Err(SinkError::Tls(tls::rabbitmq_failure(&f, &url)));
+                }
+                return Err(amqp(what, source));
             }
-            other => other?,
+            Ok(Ok(wire)) => wire,
         };
-        let channel = deadline("opening a channel", url, conn.create_channel()).await?;
-        deadline(
-            "enabling publisher confirms",
-            url,
-            channel.confirm_select(ConfirmSelectOptions::default()),
-        )
-        .await?;
-        let sink = AmqpSink {
-            conn,
-            channel,
-            url: redact_url(url),
-        };
+        let mut sink = AmqpSink { wire, url };
         if let Some(exchange) = cfg.exchange.as_literal() {
             sink.check_exchange(exchange).await?;
         }
         Ok(sink)
     }
 
-    /// Passive declare on a throwaway channel: the broker closes a channel on
-    /// which a passive declare fails.
-    pub async fn check_exchange(&self, exchange: &str) -> Result<(), SinkError> {
+    fn error(&self, what: &'static str, source: WireError) -> SinkError {
+        SinkError::Amqp {
+            what,
+            url: self.url.clone(),
+            source,
+        }
+    }
+
+    /// Passive declare on a channel of its own: the broker closes a channel
+    /// on which a passive declare fails. Call before publishing.
+    pub async fn check_exchange(&mut self, exchange: &str) -> Result<(), SinkError> {
         if exchange.is_empty() {
             return Ok(()); // the default exchange always exists
         }
-        let ch = deadline("opening a channel", &self.url, self.conn.create_channel()).await?;
-        let res = deadline(
-            "checking the exchange",
-            &self.url,
-            ch.exchange_declare(
-                exchange.into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            ),
-        )
-        .await;
-        match res {
-            Ok(()) => {
-                let _ = ch.close(200, "ok".into()).await;
-                Ok(())
-            }
-            Err(SinkError::Amqp { source, .. })
-                if matches!(source.kind(), lapin::ErrorKind::ProtocolError(e)
-                    if matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))) =>
-            {
-                Err(SinkError::NoExchange(exchange.to_owned()))
-            }
-            Err(e) => Err(e),
+        let what = "checking the exchange";
+        match tokio::time::timeout(CALL_TIMEOUT, self.wire.exchange_exists(exchange)).await {
+            Err(_) => Err(SinkError::Timeout(what)),
+            Ok(Err(e)) => Err(self.error(what, e)),
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(SinkError::NoExchange(exchange.to_owned())),
         }
     }
 
-    /// Hands one message to the broker; see [`PublishHandle::publish`]. No
-    /// deadline here: the caller decides how long a blocked broker may hold
-    /// it.
-    pub async fn publish(&self, env: Envelope) -> Result<PublisherConfirm, SinkError> {
-        self.handle().publish(env).await
+    /// Queues `basic.publish` (mandatory) for `env`, moving the message in;
+    /// returns its delivery tag. Written when the caller next waits for an
+    /// answer ([`AmqpSink::answer`]).
+    pub fn publish(&mut self, env: Envelope) -> Result<u64, SinkError> {
+        self.wire
+            .publish(env)
+            .map_err(|e| self.error("publishing", e))
     }
 
-    /// An owned handle for publishing, so a publish can be started now and
-    /// finished later, without borrowing the sink.
-    pub fn handle(&self) -> PublishHandle {
-        PublishHandle {
-            channel: self.channel.clone(),
-            status: self.conn.status().clone(),
+    /// Enough is queued: wait for an answer (which writes it) before
+    /// queueing more.
+    pub fn wants_flush(&self) -> bool {
+        self.wire.wants_flush()
+    }
+
+    /// Writes what is queued and waits for the broker's next answer.
+    /// Cancel-safe.
+    pub async fn answer(&mut self) -> Result<Event, SinkError> {
+        match self.wire.event().await {
+            Ok(ev) => Ok(ev),
+            Err(e) => Err(self.error("waiting for the broker", e)),
         }
     }
 
-    /// False once the connection or the publishing channel is gone (closed
-    /// by the broker, network lost): the session must start over.
+    /// Once a second: heartbeats (sent when idle, missed ones end the
+    /// connection).
+    pub fn tick(&mut self) -> Result<(), SinkError> {
+        self.wire
+            .tick()
+            .map_err(|e| self.error("keeping the connection alive", e))
+    }
+
+    /// False once the connection is gone (closed by the broker, network
+    /// lost): the session must start over.
     pub fn is_connected(&self) -> bool {
-        self.conn.status().connected() && self.channel.status().connected()
+        self.wire.is_open()
     }
 
     /// True while the broker has blocked publishing (resource alarm).
     pub fn is_blocked(&self) -> bool {
-        self.conn.status().blocked()
+        self.wire.is_blocked()
     }
 
-    /// Closes channel and connection politely (a blocked broker would not
-    /// answer: then the connection is just dropped).
+    /// Closes the connection politely (a blocked broker would not answer:
+    /// then the connection is just dropped).
     pub async fn close(self) {
         if self.is_blocked() {
             return;
         }
-        let _ = tokio::time::timeout(Duration::from_secs(5), async {
-            let _ = self.channel.close(200, "shutdown".into()).await;
-            let _ = self.conn.close(200, "shutdown".into()).await;
-        })
-        .await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.wire.close()).await;
     }
 }
 
-/// See [`AmqpSink::handle`].
-#[derive(Clone)]
-pub struct PublishHandle {
-    channel: Channel,
-    status: lapin::ConnectionStatus,
+/// Messages published and not yet answered, by delivery tag, oldest first.
+/// Tags are consecutive from 1 on a new connection; the broker may answer
+/// out of order (e.g. messages routed to different queues), singly or for
+/// every tag up to one (`multiple`).
+#[derive(Debug)]
+pub struct Unconfirmed<T> {
+    first_tag: u64,
+    slots: VecDeque<Option<Slot<T>>>,
+    live: usize,
 }
 
-impl PublishHandle {
-    /// `basic.publish`, mandatory. lapin queues the frames synchronously on
-    /// the returned future's first poll; the future then resolves once they
-    /// are written, to the confirm's future. The message is moved into
-    /// lapin's frames, not copied (lapin takes its strings and properties by
-    /// value).
-    pub async fn publish(&self, env: Envelope) -> Result<PublisherConfirm, SinkError> {
-        self.channel
-            .basic_publish(
-                env.exchange,
-                env.routing_key,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                &env.body,
-                env.properties,
-            )
-            .await
-            .map_err(|source| SinkError::Amqp {
-                what: "publishing",
-                url: String::from("broker connection"),
-                source,
-            })
-    }
-
-    /// True while the broker blocks publishing.
-    pub fn is_blocked(&self) -> bool {
-        self.status.blocked()
-    }
+#[derive(Debug)]
+struct Slot<T> {
+    item: T,
+    returned: Option<Box<Returned>>,
 }
 
-/// The outcome of one publish, once the broker answered. `id` names the
-/// event in an error; it is only called on the (rare) failure path.
-pub fn check_confirmation(c: Confirmation, id: impl FnOnce() -> String) -> Result<(), SinkError> {
-    match c {
-        Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)) => Err(SinkError::Returned {
-            id: id(),
-            exchange: ret.delivery.exchange.to_string(),
-            routing_key: ret.delivery.routing_key.to_string(),
-            reply: ret.reply_text.to_string(),
-        }),
-        // confirm_select is always on; treat the impossible as a failure
-        // rather than as delivered.
-        Confirmation::Nack(None) | Confirmation::NotRequested => {
-            Err(SinkError::Nacked { id: id() })
+impl<T> Default for Unconfirmed<T> {
+    fn default() -> Self {
+        Unconfirmed {
+            first_tag: 1,
+            slots: VecDeque::new(),
+            live: 0,
         }
+    }
+}
+
+impl<T> Unconfirmed<T> {
+    /// `item` was published as `tag` (tags come in increasing order).
+    pub fn push(&mut self, tag: u64, item: T) {
+        while self.first_tag + (self.slots.len() as u64) < tag {
+            self.slots.push_back(None);
+        }
+        self.slots.push_back(Some(Slot {
+            item,
+            returned: None,
+        }));
+        self.live += 1;
+    }
+
+    /// Messages waiting for an answer.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// True when nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// The message that has waited longest.
+    pub fn oldest(&self) -> Option<&T> {
+        self.slots.iter().flatten().next().map(|s| &s.item)
+    }
+
+    /// Applies a broker answer: the messages it settles go to `out` in tag
+    /// order, with their outcome. `id` names a message (matched against a
+    /// returned message's `message_id`; used in errors).
+    pub fn apply(
+        &mut self,
+        ev: Event,
+        id: impl Fn(&T) -> String,
+        out: &mut Vec<(T, Result<(), SinkError>)>,
+    ) -> Result<(), SinkError> {
+        match ev {
+            Event::Blocked(_) => Ok(()),
+            Event::Returned(ret) => {
+                // The return precedes its message's confirm; which message
+                // it is, its message_id says (the event id: unique within
+                // the window).
+                let slot = ret.message_id.as_deref().and_then(|mid| {
+                    self.slots
+                        .iter_mut()
+                        .flatten()
+                        .find(|s| s.returned.is_none() && id(&s.item) == mid)
+                });
+                match slot {
+                    Some(s) => {
+                        s.returned = Some(Box::new(ret));
+                        Ok(())
+                    }
+                    None => Err(SinkError::Amqp {
+                        what: "matching a returned message",
+                        url: String::from("broker connection"),
+                        source: WireError::Protocol(format!(
+                            "basic.return for a message not waiting for a confirm (message_id {:?})",
+                            ret.message_id
+                        )),
+                    }),
+                }
+            }
+            Event::Ack { tag, multiple } | Event::Nack { tag, multiple } => {
+                let acked = matches!(ev, Event::Ack { .. });
+                let last = if tag == 0 && multiple {
+                    self.first_tag + self.slots.len() as u64
+                } else {
+                    tag
+                };
+                if last < self.first_tag {
+                    return Ok(()); // already answered
+                }
+                let upto = ((last - self.first_tag) as usize + 1).min(self.slots.len());
+                let from = if multiple { 0 } else { upto.saturating_sub(1) };
+                for slot in self.slots.range_mut(from..upto) {
+                    if let Some(Slot { item, returned }) = slot.take() {
+                        self.live -= 1;
+                        let res = match returned {
+                            Some(r) => Err(SinkError::Returned {
+                                id: r.message_id.unwrap_or_default(),
+                                exchange: r.exchange,
+                                routing_key: r.routing_key,
+                                reply: r.reply_text,
+                            }),
+                            None if acked => Ok(()),
+                            None => Err(SinkError::Nacked { id: id(&item) }),
+                        };
+                        out.push((item, res));
+                    }
+                }
+                while matches!(self.slots.front(), Some(None)) {
+                    self.slots.pop_front();
+                    self.first_tag += 1;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ack(tag: u64, multiple: bool) -> Event {
+        Event::Ack { tag, multiple }
+    }
+
+    fn returned(id: &str) -> Event {
+        Event::Returned(Returned {
+            reply_code: 312,
+            reply_text: "NO_ROUTE".into(),
+            exchange: "ex".into(),
+            routing_key: "rk".into(),
+            message_id: Some(id.into()),
+        })
+    }
+
+    /// Messages "m1".."mN" published as tags 1..N.
+    fn published(n: u64) -> Unconfirmed<String> {
+        let mut u = Unconfirmed::default();
+        for tag in 1..=n {
+            u.push(tag, format!("m{tag}"));
+        }
+        u
+    }
+
+    fn apply(u: &mut Unconfirmed<String>, ev: Event) -> Vec<(String, Result<(), String>)> {
+        let mut out = Vec::new();
+        u.apply(ev, String::clone, &mut out).unwrap();
+        out.into_iter()
+            .map(|(m, r)| (m, r.map_err(|e| e.to_string())))
+            .collect()
+    }
+
+    fn names(v: &[(String, Result<(), String>)]) -> Vec<&str> {
+        v.iter().map(|(m, _)| m.as_str()).collect()
+    }
+
+    #[test]
+    fn single_and_multiple_acks_settle_in_tag_order_out_of_order_too() {
+        let mut u = published(5);
+        let got = apply(&mut u, ack(3, false));
+        assert_eq!(names(&got), ["m3"]);
+        assert!(got[0].1.is_ok());
+        assert_eq!(u.oldest().map(String::as_str), Some("m1"));
+        assert_eq!(u.len(), 4);
+        let got = apply(&mut u, ack(4, true));
+        assert_eq!(names(&got), ["m1", "m2", "m4"]);
+        assert_eq!(u.oldest().map(String::as_str), Some("m5"));
+        // A repeated or stale answer settles nothing twice.
+        assert!(apply(&mut u, ack(4, true)).is_empty());
+        assert!(apply(&mut u, ack(2, false)).is_empty());
+        assert_eq!(names(&apply(&mut u, ack(5, false))), ["m5"]);
+        assert!(u.is_empty());
+        assert_eq!(u.oldest(), None);
+        // Tags go on from where they were.
+        u.push(6, "m6".into());
+        assert_eq!(names(&apply(&mut u, ack(6, false))), ["m6"]);
+    }
+
+    #[test]
+    fn a_nack_is_never_delivered() {
+        let mut u = published(3);
+        let got = apply(
+            &mut u,
+            Event::Nack {
+                tag: 2,
+                multiple: true,
+            },
+        );
+        assert_eq!(names(&got), ["m1", "m2"]);
+        for (m, r) in &got {
+            assert_eq!(r.as_ref().unwrap_err(), &format!("broker nacked event {m}"));
+        }
+        assert_eq!(u.len(), 1);
+    }
+
+    #[test]
+    fn a_returned_message_is_matched_by_id_and_its_ack_is_a_failure() {
+        let mut u = published(3);
+        assert!(apply(&mut u, returned("m2")).is_empty());
+        let got = apply(&mut u, ack(3, true));
+        assert_eq!(names(&got), ["m1", "m2", "m3"]);
+        assert!(got[0].1.is_ok() && got[2].1.is_ok());
+        let err = got[1].1.as_ref().unwrap_err();
+        assert!(err.contains("event m2 is unroutable"), "{err}");
+        assert!(err.contains("NO_ROUTE"), "{err}");
+    }
+
+    #[test]
+    fn a_return_for_no_waiting_message_ends_the_session() {
+        let mut u = published(2);
+        let mut out = Vec::new();
+        let e = u
+            .apply(returned("m9"), String::clone, &mut out)
+            .unwrap_err();
+        assert!(e.is_transient(), "{e}");
+        assert!(e.to_string().contains("m9"), "{e}");
+        // Not matched twice: a second return of the same id has no message.
+        u.apply(returned("m1"), String::clone, &mut out).unwrap();
+        assert!(u.apply(returned("m1"), String::clone, &mut out).is_err());
     }
 }

@@ -6,20 +6,18 @@
 //! dead-lettering, so its transaction becomes durable only once the broker
 //! took *some* copy of it: on its exchange, or on the dead-letter exchange.
 
-use std::collections::BTreeMap;
-use std::pin::Pin;
-use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use tokio_util::sync::CancellationToken;
 
-use super::{AmqpSink, PublishHandle, SinkError, check_confirmation};
+use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
@@ -134,58 +132,12 @@ impl InFlight {
     }
 }
 
-/// Publishes `env` and waits for the broker's answer, as one future.
-///
-/// lapin queues a publish's frames synchronously on the first poll of
-/// `basic_publish` and then waits for its I/O loop to write them. Awaiting
-/// that write before starting the next publish costs a round trip to the I/O
-/// thread per message and halves throughput. So the caller polls this future
-/// once as soon as it is made (frames queued in WAL order), and collects the
-/// write and the confirm later, concurrently with newer messages.
-///
-/// No timer per message: the loop watches for a broker that stops
-/// confirming (see `rabbitmq.confirm_timeout_secs` in [`run`]).
-async fn deliver(
-    h: &PublishHandle,
-    f: InFlight,
-    env: Envelope,
-) -> (InFlight, Result<(), SinkError>) {
-    let res = async {
-        let confirm = h.publish(env).await?;
-        let c = confirm.await.map_err(|source| SinkError::Amqp {
-            what: "waiting for a publisher confirm",
-            url: String::from("broker connection"),
-            source,
-        })?;
-        check_confirmation(c, || f.id())
-    }
-    .await;
-    (f, res)
-}
-
-/// Starts a delivery: polls it once, which queues its frames now, behind
-/// those of every delivery started before it. Returns its outcome if it
-/// finished at once (a dead connection), else keeps it in `pending`.
-async fn launch<F>(mut fut: F, pending: &mut FuturesUnordered<F>) -> Option<F::Output>
-where
-    F: Future + Unpin,
-{
-    match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fut).poll(cx))).await {
-        Poll::Ready(out) => Some(out),
-        Poll::Pending => {
-            pending.push(fut);
-            None
-        }
-    }
-}
-
-/// When each message now waiting for the broker was published. The confirm
-/// timeout applies to the oldest, so one stuck message is noticed even while
-/// the broker confirms others around it (confirms may come out of order,
-/// e.g. from different queues). One entry per message in flight: at most
-/// the window; no timer per message.
-struct Waiting {
-    since: BTreeMap<Seq, Instant>,
+/// How long the oldest unanswered message has waited, for the confirm
+/// timeout. Checked once a second; no timer per message. The oldest is
+/// watched, not the newest answer, so one stuck message is noticed even
+/// while the broker confirms others around it (confirms may come out of
+/// order, e.g. from different queues).
+struct ConfirmClock {
     /// Waiting before this does not count: the broker blocked publishing
     /// (a resource alarm), or this process did not run for a while (then
     /// answers may be queued, unread).
@@ -193,38 +145,28 @@ struct Waiting {
     last_check: Instant,
 }
 
-impl Waiting {
+impl ConfirmClock {
     /// A check comes every second; a longer gap means the process stalled.
     const STALL: Duration = Duration::from_secs(3);
 
-    fn new() -> Waiting {
+    fn new() -> ConfirmClock {
         let now = Instant::now();
-        Waiting {
-            since: BTreeMap::new(),
+        ConfirmClock {
             counted_from: now,
             last_check: now,
         }
     }
 
-    fn launched(&mut self, seq: Seq) {
-        self.since.insert(seq, Instant::now());
-    }
-
-    fn answered(&mut self, seq: Seq) {
-        self.since.remove(&seq);
-    }
-
-    /// Whether the oldest waiting message has waited `timeout` or more,
-    /// counting only time the broker was free to answer.
-    fn overdue(&mut self, blocked: bool, timeout: Duration) -> bool {
+    /// Whether the oldest waiting message, published at `oldest`, has
+    /// waited `timeout` or more, counting only time the broker was free to
+    /// answer.
+    fn overdue(&mut self, oldest: Option<Instant>, blocked: bool, timeout: Duration) -> bool {
         let now = Instant::now();
         if blocked || now.duration_since(self.last_check) > Self::STALL {
             self.counted_from = now;
         }
         self.last_check = now;
-        self.since
-            .first_key_value()
-            .is_some_and(|(_, &at)| now.duration_since(at.max(self.counted_from)) >= timeout)
+        oldest.is_some_and(|at| now.duration_since(at.max(self.counted_from)) >= timeout)
     }
 }
 
@@ -256,9 +198,16 @@ struct Publisher<'a> {
     metrics: &'a Metrics,
     cp: Checkpoint,
     watermark: &'a watch::Sender<Progress>,
-    /// Messages published and not yet answered, for the confirm timeout.
-    waiting: Waiting,
+    /// Messages published and not yet answered, by delivery tag.
+    unconfirmed: Unconfirmed<InFlight>,
+    /// Reused for the messages one answer settles.
+    settled: Vec<(InFlight, Result<(), SinkError>)>,
+    /// Re-publishes waiting for their delay.
+    retries: FuturesUnordered<Retry>,
+    clock: ConfirmClock,
 }
+
+type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
 
 impl Publisher<'_> {
     fn advance(&self, lsn: Option<Lsn>) {
@@ -348,7 +297,6 @@ impl Publisher<'_> {
         mut f: InFlight,
         res: Result<(), SinkError>,
     ) -> Result<Option<(Duration, InFlight)>, RelayError> {
-        self.waiting.answered(f.seq);
         match res {
             Ok(()) => {
                 self.metrics
@@ -420,6 +368,53 @@ impl Publisher<'_> {
         }
     }
 
+    /// Hands a message to the broker (written with the next wait for an
+    /// answer).
+    fn launch(
+        &mut self,
+        sink: &mut AmqpSink,
+        mut f: InFlight,
+        env: Envelope,
+    ) -> Result<(), RelayError> {
+        f.published_at = Instant::now();
+        let tag = sink.publish(env)?;
+        self.unconfirmed.push(tag, f);
+        Ok(())
+    }
+
+    /// A broker answer: settle what it answers, schedule retries.
+    fn on_answer(&mut self, ev: super::wire::Event) -> Result<(), RelayError> {
+        let mut settled = std::mem::take(&mut self.settled);
+        self.unconfirmed.apply(ev, InFlight::id, &mut settled)?;
+        for (f, res) in settled.drain(..) {
+            if let Some((delay, f)) = self.settle(f, res)? {
+                self.retries.push(Box::pin(after(delay, f)));
+            }
+        }
+        self.settled = settled;
+        Ok(())
+    }
+
+    /// A new item from the source, in WAL order.
+    fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), RelayError> {
+        match item {
+            SinkItem::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
+            SinkItem::Event(ev) => {
+                let (f, env) = self.prepare(ev)?;
+                self.launch(sink, f, env)?;
+            }
+            SinkItem::Commit { end_lsn } => {
+                let moved = self.cp.commit(end_lsn)?;
+                self.advance(moved);
+            }
+            SinkItem::Keepalive { wal_end } => {
+                let moved = self.cp.keepalive(wal_end);
+                self.advance(moved);
+            }
+        }
+        Ok(())
+    }
+
     fn update_gauges(&self) {
         self.metrics.in_flight.set(self.cp.in_flight() as i64);
         let lag = self
@@ -430,10 +425,18 @@ impl Publisher<'_> {
     }
 }
 
+/// Items taken from the source per turn at most, before the loop writes
+/// them and looks at the broker's answers.
+const BATCH: usize = 256;
+
 /// Runs until `items` closes and every message is settled (or the shutdown
 /// grace period ends), or until a failure.
+///
+/// One task drives the connection: publishes are queued into its write
+/// buffer a batch at a time (whatever the source has ready, up to
+/// [`BATCH`]) and written in one go while the loop waits for answers.
 pub async fn run(
-    sink: &AmqpSink,
+    sink: &mut AmqpSink,
     mut items: mpsc::Receiver<SinkItem>,
     watermark: &watch::Sender<Progress>,
     cfg: &RabbitmqConfig,
@@ -454,20 +457,26 @@ pub async fn run(
         metrics,
         cp: Checkpoint::new(start),
         watermark,
-        waiting: Waiting::new(),
+        unconfirmed: Unconfirmed::default(),
+        settled: Vec::new(),
+        retries: FuturesUnordered::new(),
+        clock: ConfirmClock::new(),
     };
-    let handle = sink.handle();
-    let start = |mut f: InFlight, env: Envelope| {
-        f.published_at = Instant::now();
-        Box::pin(deliver(&handle, f, env))
-    };
-    let mut confirms = FuturesUnordered::new();
-    let mut retries = FuturesUnordered::new();
     let window = cfg.window as u64;
     let mut open = true;
     let mut drain_deadline: Option<Instant> = None;
     let mut blocked_logged = false;
     let mut gauges = tokio::time::interval(Duration::from_secs(1));
+    let closing = |p: &Publisher<'_>| {
+        if p.cp.in_flight() > 0 {
+            info!(
+                in_flight = p.cp.in_flight(),
+                grace_secs = cfg.shutdown_grace.as_secs(),
+                "waiting for outstanding confirms"
+            );
+        }
+        Some(Instant::now() + cfg.shutdown_grace)
+    };
     loop {
         if !open && p.cp.in_flight() == 0 {
             return Ok(());
@@ -482,49 +491,39 @@ pub async fn run(
             metrics.blocked.set(i64::from(blocked));
             blocked_logged = blocked;
         }
+        let room = |p: &Publisher<'_>, open: bool| open && !blocked && p.cp.in_flight() < window;
         // Priorities: broker answers first (they free the window and move
-        // the watermark), then due retries, then new WAL.
+        // the watermark; waiting for them writes what is queued), then due
+        // retries, then new WAL.
         tokio::select! {
             biased;
-            Some((f, res)) = confirms.next(), if !confirms.is_empty() => {
-                if let Some((delay, f)) = p.settle(f, res)? {
-                    retries.push(after(delay, f));
-                }
-            }
-            Some(f) = retries.next(), if !retries.is_empty() && !blocked => {
+            ev = sink.answer() => p.on_answer(ev?)?,
+            Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked => {
                 let env = f.envelope()?;
-                p.waiting.launched(f.seq);
-                if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
-                    if let Some((delay, f)) = p.settle(f, res)? {
-                        retries.push(after(delay, f));
-                    }
-                }
+                p.launch(sink, f, env)?;
             }
-            item = items.recv(), if open && !blocked && p.cp.in_flight() < window => match item {
+            item = items.recv(), if room(&p, open) => match item {
                 None => {
                     open = false;
-                    drain_deadline = Some(Instant::now() + cfg.shutdown_grace);
-                    if p.cp.in_flight() > 0 {
-                        info!(in_flight = p.cp.in_flight(), grace_secs = cfg.shutdown_grace.as_secs(), "waiting for outstanding confirms");
-                    }
+                    drain_deadline = closing(&p);
                 }
-                Some(SinkItem::Begin { commit_time_us }) => p.cp.begin(commit_time_us)?,
-                Some(SinkItem::Event(ev)) => {
-                    let (f, env) = p.prepare(ev)?;
-                    p.waiting.launched(f.seq);
-                    if let Some((f, res)) = launch(start(f, env), &mut confirms).await {
-                        if let Some((delay, f)) = p.settle(f, res)? {
-                            retries.push(after(delay, f));
+                Some(item) => {
+                    p.on_item(sink, item)?;
+                    // Take what else is ready, so it goes out in one write.
+                    for _ in 1..BATCH {
+                        if !room(&p, open) || sink.wants_flush() {
+                            break;
+                        }
+                        match items.try_recv() {
+                            Ok(item) => p.on_item(sink, item)?,
+                            Err(TryRecvError::Empty) => break,
+                            Err(TryRecvError::Disconnected) => {
+                                open = false;
+                                drain_deadline = closing(&p);
+                                break;
+                            }
                         }
                     }
-                }
-                Some(SinkItem::Commit { end_lsn }) => {
-                    let moved = p.cp.commit(end_lsn)?;
-                    p.advance(moved);
-                }
-                Some(SinkItem::Keepalive { wal_end }) => {
-                    let moved = p.cp.keepalive(wal_end);
-                    p.advance(moved);
                 }
             },
             // Shutdown: take no more WAL, give outstanding confirms the grace
@@ -532,10 +531,7 @@ pub async fn run(
             // read, so its closing cannot be what starts the clock.)
             _ = stop.cancelled(), if drain_deadline.is_none() => {
                 open = false;
-                drain_deadline = Some(Instant::now() + cfg.shutdown_grace);
-                if p.cp.in_flight() > 0 {
-                    info!(in_flight = p.cp.in_flight(), grace_secs = cfg.shutdown_grace.as_secs(), "waiting for outstanding confirms");
-                }
+                drain_deadline = closing(&p);
             }
             _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
                 warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
@@ -543,20 +539,16 @@ pub async fn run(
             }
             _ = gauges.tick() => {
                 p.update_gauges();
-                if p.waiting.overdue(blocked, cfg.confirm_timeout) {
+                sink.tick()?;
+                let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
+                if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
                     return Err(SinkError::ConfirmTimeout {
-                        in_flight: confirms.len() as u64,
+                        in_flight: p.unconfirmed.len() as u64,
                         secs: cfg.confirm_timeout.as_secs(),
                     }
                     .into());
                 }
-                // An idle session would not notice a dead broker connection
-                // until its next publish; readiness must not lie meanwhile.
-                if !sink.is_connected() {
-                    return Err(SinkError::Disconnected.into());
-                }
             }
-            _ = tokio::time::sleep(Duration::from_millis(50)), if blocked => {}
         }
     }
 }
@@ -566,50 +558,53 @@ mod tests {
     use super::*;
 
     #[tokio::test(start_paused = true)]
-    async fn one_stuck_message_is_overdue_while_others_are_confirmed() {
+    async fn the_oldest_waiting_message_times_out() {
         let timeout = Duration::from_secs(5);
-        let mut w = Waiting::new();
-        w.launched(1);
-        for seq in 2..=6 {
+        let mut c = ConfirmClock::new();
+        let first = Instant::now();
+        for _ in 0..5 {
             tokio::time::advance(Duration::from_millis(900)).await;
-            w.launched(seq);
-            w.answered(seq);
-            assert!(!w.overdue(false, timeout), "seq {seq}");
+            assert!(!c.overdue(Some(first), false, timeout));
         }
-        // Message 1 has waited 4.5 s; at 5.4 s it is overdue.
+        // It has waited 4.5 s; at 5.4 s it is overdue.
         tokio::time::advance(Duration::from_millis(900)).await;
-        assert!(w.overdue(false, timeout));
-        w.answered(1);
-        assert!(!w.overdue(false, timeout), "nothing waits");
+        assert!(c.overdue(Some(first), false, timeout));
+        assert!(!c.overdue(None, false, timeout), "nothing waits");
     }
 
     #[tokio::test(start_paused = true)]
     async fn alarm_and_stall_time_do_not_count() {
         let timeout = Duration::from_secs(5);
-        let mut w = Waiting::new();
-        w.launched(1);
+        let mut c = ConfirmClock::new();
+        let first = Instant::now();
         for _ in 0..10 {
             tokio::time::advance(Duration::from_secs(1)).await;
-            assert!(!w.overdue(true, timeout), "blocked");
+            assert!(!c.overdue(Some(first), true, timeout), "blocked");
         }
         for _ in 0..4 {
             tokio::time::advance(Duration::from_secs(1)).await;
-            assert!(!w.overdue(false, timeout));
+            assert!(!c.overdue(Some(first), false, timeout));
         }
         tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(w.overdue(false, timeout), "5 s unblocked");
+        assert!(c.overdue(Some(first), false, timeout), "5 s unblocked");
 
         // A process stall longer than a few checks restarts the count.
-        let mut w = Waiting::new();
-        w.launched(1);
+        let mut c = ConfirmClock::new();
+        let first = Instant::now();
         tokio::time::advance(Duration::from_secs(60)).await;
-        assert!(!w.overdue(false, timeout), "first check after a stall");
+        assert!(
+            !c.overdue(Some(first), false, timeout),
+            "first check after a stall"
+        );
         for _ in 0..4 {
             tokio::time::advance(Duration::from_secs(1)).await;
-            assert!(!w.overdue(false, timeout));
+            assert!(!c.overdue(Some(first), false, timeout));
         }
         tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(w.overdue(false, timeout), "5 s counted since the stall");
+        assert!(
+            c.overdue(Some(first), false, timeout),
+            "5 s counted since the stall"
+        );
     }
 
     #[test]
