@@ -675,13 +675,16 @@ fn markdown(r: &Report) -> String {
          (persistent, message_id, type, content_type, timestamp, headers aggregate_type and aggregate_id) and 300-byte body; clock from the first publish \
          to the last confirm; the ceiling is the fastest. *lapin, awaiting each publish* awaits `basic_publish(..).await` (lapin pushes the frames on the \
          first poll, then waits for its I/O loop to write them) before the next publish, so every message waits for the I/O thread; *lapin, pipelined* polls \
-         each publish future once (frames queued in order) and awaits completions and confirms concurrently, bounded by the window; *amqplib* is Node's \
-         ConfirmChannel with a callback per publish. The lapin publishers run as processes of their own set up as the relay is (one-thread tokio runtime, mimalloc); their client CPU (user + system of the publishing process, every thread, over the same interval) is in the cost table.\n\
+         each publish future once (frames queued in order) and awaits completions and confirms concurrently, bounded by the window; *outbox-relay's AMQP client* \
+         is the relay's own publishing client (`outbox_relay::sink::wire`) driven as the relay drives it (a batch of publishes queued into its write buffer, \
+         written in one call while answers are read); *amqplib* is Node's \
+         ConfirmChannel with a callback per publish. The Rust publishers run as processes of their own set up as the relay is (one-thread tokio runtime, mimalloc); their client CPU (user + system of the publishing process, every thread, over the same interval) is in the cost table.\n\
          - **Order**: per queue type: backlog, decode, then {} pass(es) of [relay drain (a slot of its own per pass, all created before the inserts, so every pass reads the same WAL), \
-         lapin awaiting each, lapin pipelined, amqplib], then the polling backlog and drain. The latency runs come last, on tables, a queue and a relay slot of their own; \
+         lapin awaiting each, lapin pipelined, outbox-relay's client, amqplib], then the polling backlog and drain. The latency runs come last, on tables, a queue and a relay slot of their own; \
          the relay is started first and the runs begin once its slot has caught up with the current WAL position.\n\
          - **Polling baseline**: the same events committed into a table with `status`, `attempts`, `claimed_by`, `claimed_at`; the dispatcher is a separate \
-         process (`relay-bench dispatch`), timed the same way as the relay.\n",
+         process (`relay-bench dispatch`), timed the same way as the relay, publishing with the relay's own AMQP client (same window), so that the two \
+         designs differ only in how they find the events.\n",
         s.passes
     );
     m
