@@ -68,9 +68,9 @@ async fn run(cfg: &Config) -> anyhow::Result<()> {
 }
 
 /// One thread: the relay is a single ordered pipeline (WAL in, messages out)
-/// waiting on two sockets, and lapin writes from its own I/O thread. Worker
-/// threads only added cross-thread wake-ups between the replication reader
-/// and the publisher (`make bench`: about 13% less CPU per event).
+/// waiting on two sockets, and the publishing task writes its own socket.
+/// Worker threads only added cross-thread wake-ups between the replication
+/// reader and the publisher (`make bench`: about 13% less CPU per event).
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -151,14 +151,14 @@ pub async fn publish_all(cfg: &Config, events: &[OutboxEvent]) -> Result<usize, 
         match next {
             Some(ev) => {
                 let env = render(ev)?;
-                let id = env.id().to_owned();
+                let id = env.properties.message_id().as_ref().map(|m| m.to_string());
                 let tag = sink.publish(env)?;
                 pending.push(tag, id);
             }
             None if pending.is_empty() => break,
             None => {
                 let ev = sink.answer().await?;
-                pending.apply(ev, String::clone, &mut settled)?;
+                pending.apply(ev, Option::clone, &mut settled)?;
                 for (_, res) in settled.drain(..) {
                     res?;
                     confirmed += 1;

@@ -1,6 +1,7 @@
 //! TLS for the three connections: the SQL connection (tokio-postgres with
 //! rustls), the replication connection (pgwire-replication's rustls) and the
-//! broker connection (lapin's rustls). All three use the ring provider.
+//! broker connection (tokio-rustls; lapin's rustls for `check`). All use the
+//! ring provider.
 //!
 //! PostgreSQL follows libpq's `sslmode`:
 //!

@@ -176,3 +176,89 @@ impl Drop for Thaw {
         rabbitmq_ctl(&["thaw"]);
     }
 }
+
+/// Heartbeats, both ways, on the relay's own AMQP connection
+/// (`?heartbeat=1` in `rabbitmq.url`): (a) idle for several intervals, the
+/// relay keeps its connection: it sends heartbeats, else RabbitMQ closes
+/// it after two missed ones and the relay has to reconnect; (b) with the
+/// broker hung and nothing waiting for a confirm (so the confirm timeout
+/// cannot fire), the relay notices the silence from missed heartbeats and
+/// starts a new session; (c) the events committed meanwhile arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn heartbeats_keep_an_idle_connection_and_notice_a_silent_broker() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::new("heartbeat").await;
+    let text = fx
+        .config_text("")
+        .replace(&amqp_url(), &format!("{}?heartbeat=1", amqp_url()));
+    assert!(text.contains("heartbeat=1"), "{text}");
+    std::fs::write(&fx.config, text).unwrap();
+    fx.start_consumer().await;
+    let mut relay = fx.spawn_relay();
+    let pg = pg_connect().await;
+    let payload = serde_json::json!({"n": 1});
+
+    let first = fx.insert(&pg, "hb", "1", "Beat", &payload).await;
+    fx.collect_until(
+        std::slice::from_ref(&first),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+
+    // (a) Idle for 5 heartbeat intervals.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let second = fx.insert(&pg, "hb", "2", "Beat", &payload).await;
+    fx.collect_until(
+        std::slice::from_ref(&second),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let log = relay.log_text();
+    assert!(
+        !log.contains("reconnecting") && log.matches("streaming from LSN").count() == 1,
+        "an idle connection with heartbeats was lost; log:\n{}",
+        relay.log_tail()
+    );
+
+    // (b) Hung broker, nothing in flight.
+    let frozen_at = Instant::now();
+    {
+        rabbitmq_ctl(&["freeze"]);
+        let _thaw = Thaw;
+        let deadline = frozen_at + Duration::from_secs(8);
+        while !relay.log_text().contains("no heartbeat from the broker") {
+            assert!(
+                Instant::now() < deadline,
+                "a silent broker went unnoticed for 8 s with heartbeat=1; log:\n{}",
+                relay.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!(
+            "silent broker noticed {:.1} s after the freeze",
+            frozen_at.elapsed().as_secs_f64()
+        );
+        relay.assert_running("while the broker is hung");
+    }
+
+    // (c) Back: a new session delivers what was committed meanwhile.
+    let third = fx.insert(&pg, "hb", "3", "Beat", &payload).await;
+    fx.collect_until(
+        std::slice::from_ref(&third),
+        Duration::from_secs(60),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let (status, _) = relay.sigterm();
+    assert!(
+        status.success(),
+        "relay exit status after SIGTERM: {status}"
+    );
+    fx.refresh_amqp().await;
+    fx.cleanup().await;
+}

@@ -278,7 +278,7 @@ pub async fn publish_wire(
     use outbox_relay::sink::{SinkError, Unconfirmed};
 
     let mut tally = Tally::default();
-    let mut pending: Unconfirmed<String> = Unconfirmed::default();
+    let mut pending: Unconfirmed<Option<String>> = Unconfirmed::default();
     let mut settled = Vec::new();
     let mut i = 0;
     while i < n || !pending.is_empty() {
@@ -288,11 +288,7 @@ pub async fn publish_wire(
             }
             let (body, properties) = msg(i);
             i += 1;
-            let id = properties
-                .message_id()
-                .as_ref()
-                .map(|m| m.to_string())
-                .unwrap_or_default();
+            let id = properties.message_id().as_ref().map(|m| m.to_string());
             let env = Envelope {
                 exchange: exchange.into(),
                 routing_key: routing_key.into(),
@@ -310,7 +306,7 @@ pub async fn publish_wire(
         } else {
             wire.event().await?
         };
-        pending.apply(ev, String::clone, &mut settled)?;
+        pending.apply(ev, Option::clone, &mut settled)?;
         for (_, res) in settled.drain(..) {
             match res {
                 Ok(()) => tally.acked += 1,

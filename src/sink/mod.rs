@@ -292,65 +292,76 @@ impl<T> Unconfirmed<T> {
     }
 
     /// Applies a broker answer: the messages it settles go to `out` in tag
-    /// order, with their outcome. `id` names a message (matched against a
-    /// returned message's `message_id`; used in errors).
+    /// order, with their outcome. `message_id` gives a message's
+    /// `message_id` property as published (a returned message is known by
+    /// it; errors name it).
     pub fn apply(
         &mut self,
         ev: Event,
-        id: impl Fn(&T) -> String,
+        message_id: impl Fn(&T) -> Option<String>,
         out: &mut Vec<(T, Result<(), SinkError>)>,
     ) -> Result<(), SinkError> {
+        let protocol = |what: String| SinkError::Amqp {
+            what: "reading the broker's answers",
+            url: String::from("broker connection"),
+            source: WireError::Protocol(what),
+        };
         match ev {
             Event::Blocked(_) => Ok(()),
             Event::Returned(ret) => {
                 // The return precedes its message's confirm; which message
-                // it is, its message_id says (the event id: unique within
-                // the window).
-                let slot = ret.message_id.as_deref().and_then(|mid| {
-                    self.slots
-                        .iter_mut()
-                        .flatten()
-                        .find(|s| s.returned.is_none() && id(&s.item) == mid)
-                });
-                match slot {
-                    Some(s) => {
-                        s.returned = Some(Box::new(ret));
-                        Ok(())
+                // it is, its message_id says. Ids are meant to be unique,
+                // but nothing enforces it: every waiting message with the
+                // same id counts as returned, so none that was returned can
+                // be taken for delivered (one that was not is published
+                // again: a duplicate at worst).
+                let mut matched = false;
+                for s in self.slots.iter_mut().flatten() {
+                    if message_id(&s.item) == ret.message_id {
+                        matched = true;
+                        if s.returned.is_none() {
+                            s.returned = Some(Box::new(ret.clone()));
+                        }
                     }
-                    None => Err(SinkError::Amqp {
-                        what: "matching a returned message",
-                        url: String::from("broker connection"),
-                        source: WireError::Protocol(format!(
-                            "basic.return for a message not waiting for a confirm (message_id {:?})",
-                            ret.message_id
-                        )),
-                    }),
+                }
+                if matched {
+                    Ok(())
+                } else {
+                    Err(protocol(format!(
+                        "basic.return for a message not waiting for a confirm (message_id {:?})",
+                        ret.message_id
+                    )))
                 }
             }
             Event::Ack { tag, multiple } | Event::Nack { tag, multiple } => {
                 let acked = matches!(ev, Event::Ack { .. });
-                let last = if tag == 0 && multiple {
-                    self.first_tag + self.slots.len() as u64
-                } else {
-                    tag
-                };
+                let end = self.first_tag + self.slots.len() as u64;
+                let last = if tag == 0 && multiple { end - 1 } else { tag };
+                if last >= end {
+                    return Err(protocol(format!(
+                        "basic.ack/nack for delivery tag {tag}, but only {} were published",
+                        end - 1
+                    )));
+                }
                 if last < self.first_tag {
                     return Ok(()); // already answered
                 }
-                let upto = ((last - self.first_tag) as usize + 1).min(self.slots.len());
+                let upto = (last - self.first_tag) as usize + 1;
                 let from = if multiple { 0 } else { upto.saturating_sub(1) };
                 for slot in self.slots.range_mut(from..upto) {
                     if let Some(Slot { item, returned }) = slot.take() {
                         self.live -= 1;
                         let res = match returned {
                             Some(r) => Err(SinkError::Returned {
-                                id: r.message_id.unwrap_or_default(),
+                                id: r.message_id.unwrap_or_else(|| "?".into()),
                                 exchange: r.exchange,
                                 routing_key: r.routing_key,
                                 reply: r.reply_text,
                             }),
                             None if acked => Ok(()),
-                            None => Err(SinkError::Nacked { id: id(&item) }),
+                            None => Err(SinkError::Nacked {
+                                id: message_id(&item).unwrap_or_else(|| "?".into()),
+                            }),
                         };
                         out.push((item, res));
                     }
@@ -368,6 +379,11 @@ impl<T> Unconfirmed<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[allow(clippy::ptr_arg)] // the item type is String
+    fn some(m: &String) -> Option<String> {
+        Some(m.clone())
+    }
 
     fn ack(tag: u64, multiple: bool) -> Event {
         Event::Ack { tag, multiple }
@@ -394,7 +410,7 @@ mod tests {
 
     fn apply(u: &mut Unconfirmed<String>, ev: Event) -> Vec<(String, Result<(), String>)> {
         let mut out = Vec::new();
-        u.apply(ev, String::clone, &mut out).unwrap();
+        u.apply(ev, some, &mut out).unwrap();
         out.into_iter()
             .map(|(m, r)| (m, r.map_err(|e| e.to_string())))
             .collect()
@@ -459,13 +475,61 @@ mod tests {
     fn a_return_for_no_waiting_message_ends_the_session() {
         let mut u = published(2);
         let mut out = Vec::new();
-        let e = u
-            .apply(returned("m9"), String::clone, &mut out)
-            .unwrap_err();
+        let e = u.apply(returned("m9"), some, &mut out).unwrap_err();
         assert!(e.is_transient(), "{e}");
         assert!(e.to_string().contains("m9"), "{e}");
-        // Not matched twice: a second return of the same id has no message.
-        u.apply(returned("m1"), String::clone, &mut out).unwrap();
-        assert!(u.apply(returned("m1"), String::clone, &mut out).is_err());
+    }
+
+    #[test]
+    fn a_return_marks_every_waiting_message_with_its_id() {
+        // Two messages share an id; one comes back. Either may be the one:
+        // both count as returned, neither as delivered (the routable one is
+        // published again: a duplicate, never a loss).
+        let mut u = Unconfirmed::default();
+        for (tag, m) in [(1, "a"), (2, "dup"), (3, "dup")] {
+            u.push(tag, m.to_owned());
+        }
+        assert!(apply(&mut u, returned("dup")).is_empty());
+        // The other copy's own return finds it already marked.
+        assert!(apply(&mut u, returned("dup")).is_empty());
+        let got = apply(&mut u, ack(3, true));
+        assert_eq!(names(&got), ["a", "dup", "dup"]);
+        assert!(got[0].1.is_ok());
+        assert!(got[1].1.is_err() && got[2].1.is_err(), "{got:?}");
+    }
+
+    #[test]
+    fn a_return_without_message_id_matches_messages_without_one() {
+        let mut u: Unconfirmed<Option<String>> = Unconfirmed::default();
+        u.push(1, Some("a".into()));
+        u.push(2, None);
+        let mut ret = returned("x");
+        if let Event::Returned(r) = &mut ret {
+            r.message_id = None;
+        }
+        let mut out = Vec::new();
+        u.apply(ret, Option::clone, &mut out).unwrap();
+        u.apply(ack(2, true), Option::clone, &mut out).unwrap();
+        assert!(out[0].1.is_ok());
+        assert!(
+            matches!(out[1].1, Err(SinkError::Returned { .. })),
+            "{:?}",
+            out[1].1
+        );
+    }
+
+    #[test]
+    fn an_answer_for_a_tag_never_published_ends_the_session() {
+        for multiple in [false, true] {
+            let mut u = published(3);
+            let mut out = Vec::new();
+            let e = u.apply(ack(9, multiple), some, &mut out).unwrap_err();
+            assert!(e.to_string().contains("delivery tag 9"), "{e}");
+            assert!(out.is_empty(), "nothing settled");
+            assert_eq!(u.len(), 3);
+        }
+        // tag 0 with `multiple`: everything published so far.
+        let mut u = published(3);
+        assert_eq!(names(&apply(&mut u, ack(0, true))), ["m1", "m2", "m3"]);
     }
 }

@@ -69,8 +69,8 @@ pub struct Progress {
 #[allow(clippy::large_enum_variant)]
 enum Content {
     /// A decoded row. It is rendered for each publish, so the first publish
-    /// moves its message into lapin without a copy; only a retry renders
-    /// again.
+    /// moves its message into the connection's write buffer without keeping
+    /// a copy; only a retry renders again.
     Event(OutboxEvent),
     /// A dead letter, fixed once built (cloned for each publish: rare).
     DeadLetter(Box<Envelope>),
@@ -115,11 +115,12 @@ impl InFlight {
         matches!(self.content, Content::DeadLetter(_))
     }
 
-    /// The event id, for logs and errors.
-    fn id(&self) -> String {
+    /// The `message_id` it is published with: the event id (a rendered
+    /// event always has one), or a dead letter's, which may have none.
+    fn message_id(&self) -> Option<String> {
         match &self.content {
-            Content::Event(ev) => event_id(ev),
-            Content::DeadLetter(env) => env.id().to_owned(),
+            Content::Event(ev) => Some(event_id(ev)),
+            Content::DeadLetter(env) => env.properties.message_id().as_ref().map(|m| m.to_string()),
         }
     }
 
@@ -385,7 +386,8 @@ impl Publisher<'_> {
     /// A broker answer: settle what it answers, schedule retries.
     fn on_answer(&mut self, ev: super::wire::Event) -> Result<(), RelayError> {
         let mut settled = std::mem::take(&mut self.settled);
-        self.unconfirmed.apply(ev, InFlight::id, &mut settled)?;
+        self.unconfirmed
+            .apply(ev, InFlight::message_id, &mut settled)?;
         for (f, res) in settled.drain(..) {
             if let Some((delay, f)) = self.settle(f, res)? {
                 self.retries.push(Box::pin(after(delay, f)));

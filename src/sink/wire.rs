@@ -44,7 +44,7 @@ const PUBLISH_CHANNEL: u16 = 1;
 /// one fails, and the publishing channel must survive that.
 const CONTROL_CHANNEL: u16 = 2;
 /// Largest frame we accept before `connection.tune`, and the frame size we
-/// ask for (RabbitMQ's default).
+/// ask for unless `rabbitmq.url` says (RabbitMQ's default).
 const DEFAULT_FRAME_MAX: u32 = 131_072;
 /// Flush the write buffer once it holds this much, even mid-batch.
 const WRITE_HIGH_WATER: usize = 64 * 1024;
@@ -293,17 +293,20 @@ impl Wire {
             AMQPClass::Connection(connection::AMQPMethod::Tune(t)) => t,
             other => return Err(unexpected("connection.tune", &other)),
         };
-        let ours = uri.query.frame_max.unwrap_or(DEFAULT_FRAME_MAX);
-        let frame_max = match tune.frame_max {
-            0 => ours,
-            theirs => theirs.min(ours),
-        }
+        // Each limit: the smaller of the two, or the other where one side
+        // says 0 (no limit), as RabbitMQ's own clients negotiate.
+        let frame_max = negotiate(
+            uri.query.frame_max.unwrap_or(DEFAULT_FRAME_MAX),
+            tune.frame_max,
+        )
         .max(4096);
-        let heartbeat = uri.query.heartbeat.unwrap_or(tune.heartbeat);
-        let channel_max = match tune.channel_max {
-            0 => 2047,
-            n => n.min(2047),
-        };
+        let heartbeat = negotiate(uri.query.heartbeat.unwrap_or(0), tune.heartbeat);
+        let channel_max = negotiate(uri.query.channel_max.unwrap_or(0), tune.channel_max);
+        if channel_max != 0 && channel_max < CONTROL_CHANNEL {
+            return Err(WireError::Unsupported(format!(
+                "the broker allows {channel_max} channel(s) per connection; the relay needs {CONTROL_CHANNEL} (rabbitmq.url channel_max, or the broker's channel_max)"
+            )));
+        }
         self.send_method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
@@ -724,6 +727,16 @@ impl Wire {
     }
 }
 
+/// The agreed value of a limit both sides propose; 0 means none.
+fn negotiate<N: Ord + Default + Copy>(ours: N, theirs: N) -> N {
+    let zero = N::default();
+    match (ours == zero, theirs == zero) {
+        (true, _) => theirs,
+        (_, true) => ours,
+        _ => ours.min(theirs),
+    }
+}
+
 fn is_close(class: &AMQPClass) -> bool {
     matches!(
         class,
@@ -766,4 +779,19 @@ fn client_properties(name: &str) -> FieldTable {
     props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
     props.insert("connection_name".into(), AMQPValue::LongString(name.into()));
     props
+}
+
+#[cfg(test)]
+mod tests {
+    use super::negotiate;
+
+    #[test]
+    fn limits_are_the_smaller_unless_one_side_has_none() {
+        assert_eq!(negotiate(131_072u32, 65_536), 65_536);
+        assert_eq!(negotiate(4_096u32, 131_072), 4_096);
+        assert_eq!(negotiate(0u16, 60), 60, "no heartbeat asked: the broker's");
+        assert_eq!(negotiate(10u16, 60), 10);
+        assert_eq!(negotiate(10u16, 0), 10, "the broker has none: ours");
+        assert_eq!(negotiate(0u16, 0), 0);
+    }
 }
