@@ -4,6 +4,7 @@
 use bytes::Bytes;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use smallvec::SmallVec;
 
 use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPart};
 
@@ -82,38 +83,158 @@ fn text<'a>(
     })
 }
 
-fn short(s: &str, what: &'static str, id: &str) -> Result<ShortString, RenderError> {
-    if s.len() > 255 {
+/// AMQP short strings (ids, names) hold at most 255 bytes.
+fn check_short(len: usize, what: &'static str, id: &str) -> Result<(), RenderError> {
+    if len > 255 {
         return Err(RenderError::TooLong {
             id: id.to_owned(),
             what,
-            len: s.len(),
+            len,
         });
     }
-    Ok(ShortString::from(s))
+    Ok(())
 }
 
-fn render_template(
-    ev: &OutboxEvent,
-    parts: &[ResolvedPart],
-    what: &'static str,
-    id: &str,
-) -> Result<ShortString, RenderError> {
-    if let [ResolvedPart::Literal(s)] = parts {
-        return short(s, what, id);
+/// An exchange or routing key: template parts, concatenated when encoded.
+/// Checked: at most 255 bytes together.
+#[derive(Debug, Clone)]
+pub struct Name<'a> {
+    parts: SmallVec<[&'a str; 4]>,
+    len: usize,
+}
+
+impl<'a> Name<'a> {
+    fn render(
+        ev: &'a OutboxEvent,
+        parts: &'a [ResolvedPart],
+        what: &'static str,
+        id: &str,
+    ) -> Result<Name<'a>, RenderError> {
+        let mut name = Name {
+            parts: SmallVec::new(),
+            len: 0,
+        };
+        for p in parts {
+            let s = match p {
+                ResolvedPart::Literal(s) => s.as_str(),
+                ResolvedPart::Column { index, name } => text(ev, *index, name, id)?,
+            };
+            name.len += s.len();
+            name.parts.push(s);
+        }
+        check_short(name.len, what, id)?;
+        Ok(name)
     }
-    let mut out = String::new();
-    for p in parts {
-        match p {
-            ResolvedPart::Literal(s) => out.push_str(s),
-            ResolvedPart::Column { index, name } => out.push_str(text(ev, *index, name, id)?),
+
+    /// A name of one piece (tests, benchmarks).
+    pub fn literal(s: &'a str) -> Name<'a> {
+        Name {
+            parts: SmallVec::from_slice(&[s]),
+            len: s.len(),
         }
     }
-    short(&out, what, id)
+
+    /// This name followed by `s` (tests, benchmarks; no length check).
+    pub fn join(mut self, s: &'a str) -> Name<'a> {
+        self.parts.push(s);
+        self.len += s.len();
+        self
+    }
+
+    /// Its length in bytes (at most 255).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for the empty name (the default exchange).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its pieces, in order.
+    pub fn parts(&self) -> &[&'a str] {
+        &self.parts
+    }
+
+    fn to_short_string(&self) -> ShortString {
+        ShortString::from(self.parts.concat())
+    }
+}
+
+/// An event's message as borrowed pieces of its row: what [`render`] builds,
+/// after the same checks, without building it. The publishing client
+/// encodes it straight into its frames, so a row becomes a message without
+/// an allocation (unless the row has a headers column to merge).
+#[derive(Debug, Clone)]
+pub struct MessageView<'a> {
+    /// Exchange.
+    pub exchange: Name<'a>,
+    /// Routing key.
+    pub routing_key: Name<'a>,
+    /// Body: the payload bytes as stored (a decoded copy for bytea).
+    pub body: Bytes,
+    /// `message_id`: the event id (at most 255 bytes).
+    pub message_id: &'a str,
+    /// `type`: the event type (at most 255 bytes).
+    pub event_type: &'a str,
+    /// `content_type`, by payload column type.
+    pub content_type: &'static str,
+    /// `timestamp`: commit time, seconds since the Unix epoch.
+    pub timestamp: u64,
+    /// Header `aggregate_type`.
+    pub aggregate_type: &'a str,
+    /// Header `aggregate_id`.
+    pub aggregate_id: &'a str,
+    /// The row's headers column, converted; the two aggregate headers are
+    /// added to it (and win). `None`: the row has none.
+    pub headers: Option<FieldTable>,
+}
+
+impl MessageView<'_> {
+    /// The headers table as published.
+    pub fn header_table(&self) -> FieldTable {
+        let mut headers = self.headers.clone().unwrap_or_default();
+        headers.insert(
+            "aggregate_type".into(),
+            AMQPValue::LongString(LongString::from(self.aggregate_type)),
+        );
+        headers.insert(
+            "aggregate_id".into(),
+            AMQPValue::LongString(LongString::from(self.aggregate_id)),
+        );
+        headers
+    }
+
+    /// The properties as published.
+    pub fn properties(&self) -> BasicProperties {
+        BasicProperties::default()
+            .with_message_id(ShortString::from(self.message_id))
+            .with_type(ShortString::from(self.event_type))
+            .with_content_type(ShortString::from(self.content_type))
+            .with_delivery_mode(2)
+            .with_timestamp(self.timestamp)
+            .with_headers(self.header_table())
+    }
+
+    /// The owned message.
+    pub fn to_envelope(&self) -> Envelope {
+        Envelope {
+            exchange: self.exchange.to_short_string(),
+            routing_key: self.routing_key.to_short_string(),
+            body: self.body.clone(),
+            properties: self.properties(),
+        }
+    }
 }
 
 /// Builds the message for `ev`.
 pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
+    view(ev).map(|v| v.to_envelope())
+}
+
+/// The message for `ev`, borrowed from it: every check of [`render`], no
+/// allocation unless the row has headers to merge.
+pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
     let m: &Mapping = ev
         .mapping
         .as_ref()
@@ -136,10 +257,11 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
         ),
     };
 
-    let mut headers = FieldTable::default();
+    let mut headers = None;
     if let Some(h) = m.headers.and_then(|i| ev.value(i)) {
         let obj: serde_json::Map<String, serde_json::Value> =
             serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.to_owned() })?;
+        let mut table = FieldTable::default();
         for (k, v) in obj {
             if k.len() > 255 {
                 return Err(RenderError::TooLong {
@@ -148,31 +270,23 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
                     len: k.len(),
                 });
             }
-            headers.insert(ShortString::from(k), json_to_amqp(v));
+            table.insert(ShortString::from(k), json_to_amqp(v));
         }
+        headers = Some(table);
     }
-    headers.insert(
-        "aggregate_type".into(),
-        AMQPValue::LongString(LongString::from(aggregate_type)),
-    );
-    headers.insert(
-        "aggregate_id".into(),
-        AMQPValue::LongString(LongString::from(aggregate_id)),
-    );
-
-    let properties = BasicProperties::default()
-        .with_message_id(short(id, "id", id)?)
-        .with_type(short(event_type, "event type", id)?)
-        .with_content_type(ShortString::from(content_type))
-        .with_delivery_mode(2)
-        .with_timestamp(u64::try_from(ev.commit_time_us / 1_000_000).unwrap_or(0))
-        .with_headers(headers);
-
-    Ok(Envelope {
-        exchange: render_template(ev, &m.exchange, "exchange", id)?,
-        routing_key: render_template(ev, &m.routing_key, "routing key", id)?,
+    check_short(id.len(), "id", id)?;
+    check_short(event_type.len(), "event type", id)?;
+    Ok(MessageView {
+        exchange: Name::render(ev, &m.exchange, "exchange", id)?,
+        routing_key: Name::render(ev, &m.routing_key, "routing key", id)?,
         body,
-        properties,
+        message_id: id,
+        event_type,
+        content_type,
+        timestamp: u64::try_from(ev.commit_time_us / 1_000_000).unwrap_or(0),
+        aggregate_type,
+        aggregate_id,
+        headers,
     })
 }
 

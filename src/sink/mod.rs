@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::config::{RabbitmqConfig, redact_url};
-use crate::message::Envelope;
+use crate::message::{Envelope, MessageView};
 use crate::tls::{self, TlsFailure};
 use wire::{Event, Returned, Target, Wire, WireError};
 
@@ -189,6 +189,13 @@ impl AmqpSink {
     pub fn publish(&mut self, env: Envelope) -> Result<u64, SinkError> {
         self.wire
             .publish(env)
+            .map_err(|e| self.error("publishing", e))
+    }
+
+    /// As [`AmqpSink::publish`], encoding straight from the row's pieces.
+    pub fn publish_view(&mut self, m: &MessageView<'_>) -> Result<u64, SinkError> {
+        self.wire
+            .publish_view(m)
             .map_err(|e| self.error("publishing", e))
     }
 

@@ -21,7 +21,7 @@ use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
-use crate::message::{Envelope, dead_letter_unrenderable, event_id, render};
+use crate::message::{Envelope, MessageView, dead_letter_unrenderable, event_id, render, view};
 use prometheus_client::metrics::counter::Counter;
 
 use crate::metrics::{Metrics, Outcome, OutcomeLabel, ReasonLabel, RetryReason};
@@ -68,9 +68,9 @@ pub struct Progress {
 // are the common case: boxing them would add back the allocation.
 #[allow(clippy::large_enum_variant)]
 enum Content {
-    /// A decoded row. It is rendered for each publish, so the first publish
-    /// moves its message into the connection's write buffer without keeping
-    /// a copy; only a retry renders again.
+    /// A decoded row. The first publish encodes it straight from the row
+    /// into the connection's write buffer; only a retry renders it into an
+    /// owned message.
     Event(OutboxEvent),
     /// A dead letter, fixed once built (cloned for each publish: rare).
     DeadLetter(Box<Envelope>),
@@ -243,29 +243,33 @@ impl Publisher<'_> {
         Ok(InFlight::dead_letter(seq, commit_time_us, dl))
     }
 
-    /// A new event: render, check size; what to publish (or dead-letter).
-    fn prepare(&mut self, ev: OutboxEvent) -> Result<(InFlight, Envelope), RelayError> {
+    /// A new event: check it, publish it (encoded straight from the row),
+    /// or dead-letter it.
+    fn publish_event(&mut self, sink: &mut AmqpSink, ev: OutboxEvent) -> Result<(), RelayError> {
         let seq = self.cp.publish()?;
         let commit_time_us = ev.commit_time_us;
-        match self.message(&ev)? {
-            Ok(env) => Ok((
-                InFlight::new(seq, Content::Event(ev), env.body.len(), commit_time_us),
-                env,
-            )),
+        let (tag, body_bytes) = match self.message(&ev)? {
+            Ok(view) => (sink.publish_view(&view)?, view.body.len()),
             Err(dl) => {
                 let f = InFlight::dead_letter(seq, commit_time_us, dl);
                 let env = f.envelope()?;
-                Ok((f, env))
+                return self.launch(sink, f, env);
             }
-        }
+        };
+        let f = InFlight::new(seq, Content::Event(ev), body_bytes, commit_time_us);
+        self.unconfirmed.push(tag, f);
+        Ok(())
     }
 
     /// The message for `ev`, or (`Err`) its dead letter when it cannot be
     /// sent as it stands; without a dead-letter exchange, the error that
     /// stops the relay.
-    fn message(&self, ev: &OutboxEvent) -> Result<Result<Envelope, Envelope>, RelayError> {
-        let env = match render(ev) {
-            Ok(env) => env,
+    fn message<'e>(
+        &self,
+        ev: &'e OutboxEvent,
+    ) -> Result<Result<MessageView<'e>, Envelope>, RelayError> {
+        let m = match view(ev) {
+            Ok(m) => m,
             Err(e) => {
                 let Some(dlx) = &self.cfg.dead_letter_exchange else {
                     error!(error = %e, "undeliverable event and no dead-letter exchange; stopping");
@@ -275,21 +279,21 @@ impl Publisher<'_> {
                 return Ok(Err(dead_letter_unrenderable(ev, &e, dlx)));
             }
         };
-        if env.body.len() > self.cfg.max_message_bytes {
+        if m.body.len() > self.cfg.max_message_bytes {
             let limit = self.cfg.max_message_bytes;
             let Some(dlx) = &self.cfg.dead_letter_exchange else {
                 return Err(RelayError::Undeliverable {
-                    id: env.id().to_owned(),
+                    id: m.message_id.to_owned(),
                     reason: format!(
                         "body of {} bytes exceeds rabbitmq.max_message_bytes ({limit})",
-                        env.body.len()
+                        m.body.len()
                     ),
                 });
             };
-            error!(event_id = %env.id(), bytes = env.body.len(), limit, "dead-lettering oversized event");
-            return Ok(Err(env.dead_letter_oversized(dlx, limit)));
+            error!(event_id = %m.message_id, bytes = m.body.len(), limit, "dead-lettering oversized event");
+            return Ok(Err(m.to_envelope().dead_letter_oversized(dlx, limit)));
         }
-        Ok(Ok(env))
+        Ok(Ok(m))
     }
 
     /// The broker answered `f`. Returns what to publish again, and when.
@@ -401,10 +405,7 @@ impl Publisher<'_> {
     fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), RelayError> {
         match item {
             SinkItem::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
-            SinkItem::Event(ev) => {
-                let (f, env) = self.prepare(ev)?;
-                self.launch(sink, f, env)?;
-            }
+            SinkItem::Event(ev) => self.publish_event(sink, ev)?,
             SinkItem::Commit { end_lsn } => {
                 let moved = self.cp.commit(end_lsn)?;
                 self.advance(moved);
