@@ -8,7 +8,7 @@ use serde::Serialize;
 use tokio_postgres::Client;
 
 use crate::Settings;
-use crate::ceiling::{AMQPLIB, LAPIN_AWAIT_EACH, LAPIN_PIPELINED, PUBLISHERS};
+use crate::ceiling::{AMQPLIB, LAPIN_AWAIT_EACH, LAPIN_PIPELINED, PUBLISHERS, RELAY_CLIENT};
 use crate::latency::LatencyRun;
 use crate::procs::command_output;
 use crate::run::QueueTypeResult;
@@ -356,24 +356,28 @@ fn throughput_md(r: &Report) -> String {
             _ => "–".into(),
         },
     );
-    row(
-        &mut m,
-        "ratio lapin pipelined / lapin awaiting each",
-        &|q| match (
-            publisher(q, LAPIN_PIPELINED),
-            publisher(q, LAPIN_AWAIT_EACH),
-        ) {
-            (Some(a), Some(b)) => format!("{:.2}", a.events_per_s / b.events_per_s),
-            _ => "–".into(),
-        },
-    );
-    row(&mut m, "ratio lapin pipelined / amqplib", &|q| match (
-        publisher(q, LAPIN_PIPELINED),
-        publisher(q, AMQPLIB),
-    ) {
-        (Some(a), Some(b)) => format!("{:.2}", a.events_per_s / b.events_per_s),
-        _ => "–".into(),
-    });
+    for (label, x, y) in [
+        (
+            "ratio lapin pipelined / lapin awaiting each",
+            LAPIN_PIPELINED,
+            LAPIN_AWAIT_EACH,
+        ),
+        ("ratio lapin pipelined / amqplib", LAPIN_PIPELINED, AMQPLIB),
+        (
+            "ratio outbox-relay's client / lapin pipelined",
+            RELAY_CLIENT,
+            LAPIN_PIPELINED,
+        ),
+    ] {
+        row(
+            &mut m,
+            label,
+            &|q| match (publisher(q, x), publisher(q, y)) {
+                (Some(a), Some(b)) => format!("{:.2}", a.events_per_s / b.events_per_s),
+                _ => "–".into(),
+            },
+        );
+    }
     m
 }
 
