@@ -10,16 +10,6 @@ use outbox_relay::config::Config;
 use outbox_relay::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
-/// glibc's allocator serializes threads on its arena locks, and the lapin
-/// I/O thread frees what the relay's thread allocates: a profile of a
-/// backlog drain showed a fifth of the CPU in futex wake-ups from malloc's
-/// lock. mimalloc frees across threads without one: 10–20% less CPU per
-/// event in `make bench`. Built without transparent huge pages
-/// (`no_thp`): with them, peak RSS grew from about 30 to 45–50 MB for no
-/// measurable gain.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_RELAY_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));

@@ -34,7 +34,8 @@ pub const RELAY_CLIENT: &str = "outbox-relay's AMQP client";
 pub const PUBLISHERS: [&str; 4] = [LAPIN_AWAIT_EACH, LAPIN_PIPELINED, RELAY_CLIENT, AMQPLIB];
 
 /// A bare publisher in Rust, run as a process of its own (`relay-bench
-/// publish`), set up as the relay is (one-thread runtime, mimalloc), so
+/// publish`), set up as the relay is (one-thread runtime; mimalloc, which
+/// spares lapin cross-thread frees on glibc's arena locks), so
 /// that its CPU is the publisher's alone.
 #[derive(Debug, Clone, Copy)]
 pub enum RustPublisher {

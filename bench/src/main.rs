@@ -7,10 +7,13 @@
 //! ```
 //!
 //! The relay is driven as a process (`target/release/outbox-relay`), exactly
-//! as an operator runs it; nothing of the relay's crate is linked in.
+//! as an operator runs it; the harness links the relay's library only for
+//! the relay's AMQP client (one bare publisher, and the polling dispatcher).
 
-/// The relay's allocator, for every process of the harness: the
-/// dispatcher and the bare publishers get the same advantage.
+/// mimalloc for every process of the harness: lapin's I/O thread frees
+/// what the publishing thread allocates, and glibc's allocator serializes
+/// that on its arena locks. The relay itself, one thread, gains nothing
+/// from it and uses the system allocator.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

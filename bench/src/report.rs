@@ -682,7 +682,7 @@ fn markdown(r: &Report) -> String {
          each publish future once (frames queued in order) and awaits completions and confirms concurrently, bounded by the window; *outbox-relay's AMQP client* \
          is the relay's own publishing client (`outbox_relay::sink::wire`) driven as the relay drives it (a batch of publishes queued into its write buffer, \
          written in one call while answers are read); *amqplib* is Node's \
-         ConfirmChannel with a callback per publish. The Rust publishers run as processes of their own set up as the relay is (one-thread tokio runtime, mimalloc); their client CPU (user + system of the publishing process, every thread, over the same interval) is in the cost table.\n\
+         ConfirmChannel with a callback per publish. The Rust publishers run as processes of their own set up as the relay is (one-thread tokio runtime; with mimalloc, which spares lapin's cross-thread frees glibc's arena locks); their client CPU (user + system of the publishing process, every thread, over the same interval) is in the cost table.\n\
          - **Order**: per queue type: backlog, decode, then {} pass(es) of [relay drain (a slot of its own per pass, all created before the inserts, so every pass reads the same WAL), \
          lapin awaiting each, lapin pipelined, outbox-relay's client, amqplib], then the polling backlog and drain. The latency runs come last, on tables, a queue and a relay slot of their own; \
          the relay is started first and the runs begin once its slot has caught up with the current WAL position.\n\
