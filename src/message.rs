@@ -126,29 +126,21 @@ impl<'a> Name<'a> {
         Ok(name)
     }
 
-    /// A name of one piece (tests, benchmarks).
-    pub fn literal(s: &'a str) -> Name<'a> {
+    /// A name of one piece.
+    #[cfg(test)]
+    pub(crate) fn literal(s: &'a str) -> Name<'a> {
         Name {
             parts: SmallVec::from_slice(&[s]),
             len: s.len(),
         }
     }
 
-    /// This name followed by `s` (tests, benchmarks; no length check).
-    pub fn join(mut self, s: &'a str) -> Name<'a> {
+    /// This name followed by `s` (no length check).
+    #[cfg(test)]
+    pub(crate) fn join(mut self, s: &'a str) -> Name<'a> {
         self.parts.push(s);
         self.len += s.len();
         self
-    }
-
-    /// Its length in bytes (at most 255).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for the empty name (the default exchange).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Its pieces, in order.

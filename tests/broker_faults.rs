@@ -89,17 +89,14 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
             // The producer keeps committing, so messages wait for confirms
             // that cannot come. 2 s of timeout, checked every second, plus
             // margin.
-            let deadline = Instant::now() + Duration::from_secs(6);
-            while !relay.log_text().contains("no publisher confirm within") {
-                if Instant::now() > deadline {
-                    panic!(
-                        "no confirm timeout within 6 s of the broker hanging ({}); log:\n{}",
-                        HANG_CONFIRM_TIMEOUT.trim(),
-                        relay.log_tail()
-                    );
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            assert!(
+                relay
+                    .wait_log("no publisher confirm within", Duration::from_secs(6))
+                    .await,
+                "no confirm timeout within 6 s of the broker hanging ({}); log:\n{}",
+                HANG_CONFIRM_TIMEOUT.trim(),
+                relay.log_tail()
+            );
             println!(
                 "hung broker: confirm timeout noticed {:.1} s after the freeze",
                 fault_at.elapsed().as_secs_f64()
@@ -229,15 +226,13 @@ async fn heartbeats_keep_an_idle_connection_and_notice_a_silent_broker() {
     {
         rabbitmq_ctl(&["freeze"]);
         let _thaw = Thaw;
-        let deadline = frozen_at + Duration::from_secs(8);
-        while !relay.log_text().contains("no heartbeat from the broker") {
-            assert!(
-                Instant::now() < deadline,
-                "a silent broker went unnoticed for 8 s with heartbeat=1; log:\n{}",
-                relay.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        assert!(
+            relay
+                .wait_log("no heartbeat from the broker", Duration::from_secs(8))
+                .await,
+            "a silent broker went unnoticed for 8 s with heartbeat=1; log:\n{}",
+            relay.log_tail()
+        );
         println!(
             "silent broker noticed {:.1} s after the freeze",
             frozen_at.elapsed().as_secs_f64()

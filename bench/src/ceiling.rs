@@ -117,8 +117,8 @@ pub async fn rust_publisher(
 /// line. The clock and the CPU run from the first publish to the last
 /// confirm.
 pub async fn publish_main(args: &[String]) -> Result<()> {
-    let (mut exchange, mut window, mut n, mut pipelined) = (String::new(), 1024, 0, false);
-    let mut relay_client = false;
+    let (mut exchange, mut window, mut n) = (String::new(), 1024, 0);
+    let mut which = None;
     let mut it = args.iter();
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
@@ -126,19 +126,24 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
             "--exchange" => exchange = v()?.clone(),
             "--window" => window = v()?.parse()?,
             "--events" => n = v()?.parse()?,
-            "--await-each" => {}
-            "--pipelined" => pipelined = true,
-            "--relay-client" => relay_client = true,
-            _ => bail!("publish: unknown argument {k}"),
+            flag => {
+                which = Some(
+                    [
+                        RustPublisher::LapinAwaitEach,
+                        RustPublisher::LapinPipelined,
+                        RustPublisher::RelayClient,
+                    ]
+                    .into_iter()
+                    .find(|p| p.flag() == flag)
+                    .with_context(|| format!("publish: unknown argument {k}"))?,
+                )
+            }
         }
     }
+    let which =
+        which.context("publish: which publisher (--await-each, --pipelined, --relay-client)?")?;
     let url = std::env::var("BENCH_PUBLISH_URL").context("BENCH_PUBLISH_URL is not set")?;
-    if relay_client {
-        return publish_relay_client(&url, &exchange, window, n).await;
-    }
-    let conn = crate::amqp::connect(&url, "relay-bench ceiling").await?;
-    let ch = crate::amqp::confirm_channel(&conn).await?;
-    let tag = if pipelined { 0xc1 } else { 0xc0 };
+    let tag = 0xc0 + which as u32;
     let ts = unix_secs();
     // Bodies and properties are built inside the loop, as a real publisher
     // (and the relay) does.
@@ -149,16 +154,49 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
             properties(&event_id(tag, i), &aggregate_id(i), ts),
         )
     };
-    let cpu0 = crate::procs::cpu_seconds("self")?;
-    let t = Instant::now();
-    let tally = if pipelined {
-        crate::amqp::publish_pipelined(&ch, &exchange, ROUTING_KEY, window, n, msg).await?
-    } else {
-        crate::amqp::publish_awaiting_each(&ch, &exchange, ROUTING_KEY, window, n, msg).await?
+    let (tally, seconds, cpu_seconds) = match which {
+        RustPublisher::RelayClient => {
+            let mut wire = crate::amqp::connect_wire(&url, "relay-bench ceiling").await?;
+            let r = measured(crate::amqp::publish_wire(
+                &mut wire,
+                &exchange,
+                ROUTING_KEY,
+                window,
+                n,
+                msg,
+            ))
+            .await?;
+            let _ = wire.close().await;
+            r
+        }
+        lapin => {
+            let conn = crate::amqp::connect(&url, "relay-bench ceiling").await?;
+            let ch = crate::amqp::confirm_channel(&conn).await?;
+            let r = if matches!(lapin, RustPublisher::LapinPipelined) {
+                measured(crate::amqp::publish_pipelined(
+                    &ch,
+                    &exchange,
+                    ROUTING_KEY,
+                    window,
+                    n,
+                    msg,
+                ))
+                .await?
+            } else {
+                measured(crate::amqp::publish_awaiting_each(
+                    &ch,
+                    &exchange,
+                    ROUTING_KEY,
+                    window,
+                    n,
+                    msg,
+                ))
+                .await?
+            };
+            let _ = conn.close(200, "bye".into()).await;
+            r
+        }
     };
-    let seconds = t.elapsed().as_secs_f64();
-    let cpu_seconds = crate::procs::cpu_seconds("self")? - cpu0;
-    let _ = conn.close(200, "bye".into()).await;
     let out = PublisherOut {
         events: n,
         seconds,
@@ -170,33 +208,16 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// [`publish_main`] with the relay's client.
-async fn publish_relay_client(url: &str, exchange: &str, window: usize, n: u64) -> Result<()> {
-    let mut wire = crate::amqp::connect_wire(url, "relay-bench ceiling").await?;
-    let tag = 0xc2;
-    let ts = unix_secs();
+/// Runs a publish loop; its tally, wall seconds and this process's CPU
+/// seconds over the same interval.
+async fn measured(
+    publishing: impl Future<Output = Result<crate::amqp::Tally>>,
+) -> Result<(crate::amqp::Tally, f64, f64)> {
     let cpu0 = crate::procs::cpu_seconds("self")?;
     let t = Instant::now();
-    let tally = crate::amqp::publish_wire(&mut wire, exchange, ROUTING_KEY, window, n, |i| {
-        let i = i + 1;
-        (
-            payload(i).into_bytes(),
-            properties(&event_id(tag, i), &aggregate_id(i), ts),
-        )
-    })
-    .await?;
+    let tally = publishing.await?;
     let seconds = t.elapsed().as_secs_f64();
-    let cpu_seconds = crate::procs::cpu_seconds("self")? - cpu0;
-    let _ = wire.close().await;
-    let out = PublisherOut {
-        events: n,
-        seconds,
-        cpu_seconds,
-        nacked: tally.nacked,
-        returned: tally.returned,
-    };
-    println!("{}", serde_json::to_string(&out)?);
-    Ok(())
+    Ok((tally, seconds, crate::procs::cpu_seconds("self")? - cpu0))
 }
 
 /// What a publisher process prints (Rust and Node alike).

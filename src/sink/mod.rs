@@ -222,12 +222,6 @@ impl AmqpSink {
             .map_err(|e| self.error("keeping the connection alive", e))
     }
 
-    /// False once the connection is gone (closed by the broker, network
-    /// lost): the session must start over.
-    pub fn is_connected(&self) -> bool {
-        self.wire.is_open()
-    }
-
     /// True while the broker has blocked publishing (resource alarm).
     pub fn is_blocked(&self) -> bool {
         self.wire.is_blocked()

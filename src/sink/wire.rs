@@ -428,11 +428,6 @@ impl Wire {
         self.blocked
     }
 
-    /// False once the connection failed.
-    pub fn is_open(&self) -> bool {
-        !self.broken
-    }
-
     /// Writes what is queued and waits for the broker's next answer.
     /// Cancel-safe: all state lives in `self`, so dropping the future
     /// (e.g. in `select!`) loses nothing.
@@ -608,13 +603,12 @@ impl Wire {
     }
 
     fn put_frame(&mut self, frame: &AMQPFrame) -> Result<(), WireError> {
-        let buf = std::mem::take(&mut self.wbuf);
-        match gen_frame(frame)(WriteContext::from(buf)) {
-            Ok(ctx) => {
-                self.wbuf = ctx.write;
+        match encode_frame(std::mem::take(&mut self.wbuf), frame) {
+            Ok(buf) => {
+                self.wbuf = buf;
                 Ok(())
             }
-            Err(e) => Err(self.fail(WireError::Protocol(format!("cannot encode a frame: {e}")))),
+            Err(e) => Err(self.fail(e)),
         }
     }
 
@@ -753,12 +747,17 @@ fn encode_envelope(buf: Vec<u8>, frame_max: u32, env: Envelope) -> Result<Vec<u8
     ];
     let mut buf = buf;
     for frame in &frames {
-        buf = gen_frame(frame)(WriteContext::from(buf))
-            .map_err(|e| WireError::Protocol(format!("cannot encode a frame: {e}")))?
-            .write;
+        buf = encode_frame(buf, frame)?;
     }
     put_body(&mut buf, frame_max, &body);
     Ok(buf)
+}
+
+/// `frame` appended to `buf` by amq-protocol's encoder.
+fn encode_frame(buf: Vec<u8>, frame: &AMQPFrame) -> Result<Vec<u8>, WireError> {
+    gen_frame(frame)(WriteContext::from(buf))
+        .map(|ctx| ctx.write)
+        .map_err(|e| WireError::Protocol(format!("cannot encode a frame: {e}")))
 }
 
 const CLASS_BASIC: u16 = 60;

@@ -1008,6 +1008,19 @@ impl Relay {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits (polling every 100 ms) until the log contains `needle`; false
+    /// if `within` passes first.
+    pub async fn wait_log(&self, needle: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while !self.log_text().contains(needle) {
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        true
+    }
+
     /// Panics, with the log, if the process has exited.
     pub fn assert_running(&mut self, context: &str) {
         if let Ok(Some(status)) = self.child.try_wait() {
