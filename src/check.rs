@@ -42,6 +42,7 @@ use tokio_postgres::error::SqlState;
 use crate::config::{Config, quote_ident, redact_url};
 use crate::outbox::PayloadKind;
 use crate::source::{SourceError, connect_sql, slot};
+use crate::tls::TlsFailure;
 
 /// Deadline of each check (connecting included).
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(15);
@@ -841,10 +842,30 @@ async fn broker_connect(cfg: &Config) -> (Line, Option<Connection>) {
     };
     let props = ConnectionProperties::default().with_connection_name("outbox-relay check".into());
     // The same TLS set-up as the relay's own connection (amqps:// only).
-    let tls = match crate::tls::rabbitmq_tls(cfg.rabbitmq.ca_file.as_deref()) {
-        Ok(t) => t,
-        Err(e) => return (Line::fail(what, format!("rabbitmq.ca_file: {e}")), None),
+    // `ca_file` is set for every amqps:// URL (the configured CA, or the
+    // system bundle); lapin then trusts it alone.
+    let tls = match cfg
+        .rabbitmq
+        .ca_file
+        .as_deref()
+        .map(crate::tls::rabbitmq_tls)
+    {
+        Some(Ok(t)) => t,
+        Some(Err(e)) => return (Line::fail(what, format!("rabbitmq.ca_file: {e}")), None),
+        None => lapin::tcp::OwnedTLSConfig::default(),
     };
+    if let (Ok(uri), Some(roots)) = (url.parse::<AMQPUri>(), cfg.rabbitmq.ca_file.as_deref()) {
+        if uri.scheme == lapin::uri::AMQPScheme::AMQPS {
+            let (host, port) = (uri.authority.host.as_str(), uri.authority.port);
+            let shake = crate::tls::rabbitmq_handshake(host, port, roots);
+            if let Ok(Err(e)) = tokio::time::timeout(CHECK_TIMEOUT, shake).await {
+                if let Some(f) = TlsFailure::find(&e).filter(TlsFailure::is_permanent) {
+                    let msg = crate::tls::rabbitmq_failure(&f, &redact_url(url));
+                    return (Line::fail(what, msg), None);
+                }
+            }
+        }
+    }
     let builder = match lapin::DefaultConnectionBuilder::new() {
         Ok(b) => b
             .with_uri_str(url.to_owned())

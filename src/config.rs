@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::pgurl::PgTarget;
 use crate::template::Template;
 use crate::tls::SslMode;
 
@@ -320,8 +321,12 @@ pub struct PostgresConfig {
     /// URL, else `prefer`.
     pub sslmode: SslMode,
     /// CA to verify the server certificate with: `postgres.ca_file`, else
-    /// `sslrootcert=` in the URL; `None`: the Mozilla roots.
+    /// `sslrootcert=` in the URL (`system`: the system's CA bundle). Its
+    /// certificates are the only ones trusted; `None`: nothing is verified
+    /// (only allowed with `disable`, `prefer` and `require`).
     pub ca_file: Option<PathBuf>,
+    /// The one server both connections reach (read from `url`).
+    pub target: PgTarget,
 }
 
 /// `[outbox]`: which table, and which of its columns play which role.
@@ -406,7 +411,8 @@ pub struct RabbitmqConfig {
     pub max_message_bytes: usize,
     /// How long shutdown waits for outstanding confirms.
     pub shutdown_grace: Duration,
-    /// A CA to trust for `amqps://`, besides the Mozilla roots.
+    /// The CAs `amqps://` trusts, and no others: `rabbitmq.ca_file`, else
+    /// the system's CA bundle; `None` for `amqp://`.
     pub ca_file: Option<PathBuf>,
 }
 
@@ -452,6 +458,13 @@ impl Config {
                     path: origin.to_owned(),
                     message: e.to_string(),
                 })?;
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        // Where OpenSSL (and libpq's sslrootcert=system) finds the system's
+        // CA bundle, read like the OUTBOX_RELAY_ overrides: from `env`.
+        let ssl_cert_file = env
+            .iter()
+            .find(|(k, _)| k == "SSL_CERT_FILE")
+            .map(|(_, v)| v.clone());
         apply_env(&mut table, env)?;
         let raw: RawConfig =
             serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
@@ -459,7 +472,7 @@ impl Config {
                 let message = e.into_inner().to_string();
                 key_err(&key, message)
             })?;
-        raw.validate()
+        raw.validate(ssl_cert_file.as_deref())
     }
 }
 
@@ -495,7 +508,7 @@ fn apply_env(
 }
 
 impl RawConfig {
-    fn validate(self) -> Result<Config, ConfigError> {
+    fn validate(self, ssl_cert_file: Option<&str>) -> Result<Config, ConfigError> {
         let mut p = self.postgres;
         if let Some(file) = non_empty(p.password_file.take()) {
             p.url = with_password_file(&p.url, "postgres.password_file", &file)?;
@@ -508,38 +521,34 @@ impl RawConfig {
         }
         // libpq's TLS parameters are ours to read: tokio-postgres knows
         // neither verify-ca/verify-full nor sslrootcert.
-        let url_tls = crate::tls::split_pg_url(&p.url);
-        url_tls
+        let url_tls = crate::pgurl::split_pg_url(&p.url);
+        let parsed = url_tls
             .url
             .parse::<tokio_postgres::Config>()
             .map_err(|e| key_err("postgres.url", format!("not a valid PostgreSQL URL: {e}")))?;
-        let sslmode = match (non_empty(p.sslmode), url_tls.sslmode) {
-            (Some(s), _) => SslMode::parse(&s).ok_or_else(|| {
+        let target = PgTarget::of(&parsed).map_err(|e| key_err("postgres.url", e))?;
+        let explicit_mode = match (non_empty(p.sslmode), url_tls.sslmode) {
+            (Some(s), _) => Some(SslMode::parse(&s).ok_or_else(|| {
                 key_err(
                     "postgres.sslmode",
                     format!("expected one of {}, got {s:?}", SslMode::CHOICES),
                 )
-            })?,
-            (None, Some(s)) => SslMode::parse(&s).ok_or_else(|| {
+            })?),
+            (None, Some(s)) => Some(SslMode::parse(&s).ok_or_else(|| {
                 key_err(
                     "postgres.url",
                     format!("sslmode={s} is not one of {}", SslMode::CHOICES),
                 )
-            })?,
-            (None, None) => SslMode::default(),
-        };
-        let pg_ca_file = match (non_empty(p.ca_file), url_tls.sslrootcert) {
-            (Some(f), _) => Some(check_ca_file("postgres.ca_file", &f)?),
-            // libpq's `sslrootcert=system`: the default roots.
-            (None, Some(f)) if f == "system" || f.is_empty() => None,
-            (None, Some(f)) => {
-                let path = PathBuf::from(f);
-                crate::tls::load_ca_file(&path)
-                    .map_err(|e| key_err("postgres.url", format!("sslrootcert: {e}")))?;
-                Some(path)
-            }
+            })?),
             (None, None) => None,
         };
+        let (sslmode, pg_ca_file) = postgres_trust(
+            explicit_mode,
+            non_empty(p.ca_file),
+            non_empty(url_tls.sslrootcert),
+            &target,
+            ssl_cert_file,
+        )?;
         check_identifier("postgres.slot", &p.slot)?;
         if !p
             .slot
@@ -595,8 +604,25 @@ impl RawConfig {
         r.url
             .parse::<lapin::uri::AMQPUri>()
             .map_err(|e| key_err("rabbitmq.url", format!("not a valid AMQP URL: {e}")))?;
+        // amqps:// trusts the configured CA alone (a private CA pins the
+        // broker), else the system's CA bundle; never both.
         let amqp_ca_file = match non_empty(r.ca_file) {
             Some(f) => Some(check_ca_file("rabbitmq.ca_file", &f)?),
+            None if r.url.starts_with("amqps://") => {
+                let bundle = crate::tls::system_ca_bundle(ssl_cert_file).ok_or_else(|| {
+                    key_err(
+                        "rabbitmq.ca_file",
+                        "amqps:// needs a CA to verify the broker with, and no system CA bundle \
+                         was found (SSL_CERT_FILE, /etc/ssl/certs/ca-certificates.crt...): set \
+                         rabbitmq.ca_file to the CA that signed the broker's certificate, or \
+                         install the system's CA certificates",
+                    )
+                })?;
+                Some(check_ca_file(
+                    "rabbitmq.ca_file (the system CA bundle)",
+                    &bundle.display().to_string(),
+                )?)
+            }
             None => None,
         };
         let exchange = Template::parse(&r.exchange).map_err(|e| key_err("rabbitmq.exchange", e))?;
@@ -675,6 +701,7 @@ impl RawConfig {
                 status_interval: Duration::from_millis(p.status_interval_ms),
                 heartbeat: (p.heartbeat_secs > 0).then(|| Duration::from_secs(p.heartbeat_secs)),
                 checkpoint_table,
+                target,
                 sslmode,
                 ca_file: pg_ca_file,
             },
@@ -697,16 +724,31 @@ impl RawConfig {
     }
 }
 
-/// An empty string (e.g. an environment override) means "not set".
 /// Puts the password read from `file` into `url` (percent-encoded), in place
 /// of any password the URL had: secrets can live in a file only root and the
 /// relay can read (e.g. a Kubernetes or systemd credential).
+///
+/// As libpq does with `.pgpass`: a file others may read or write draws a
+/// warning; the file holds the password alone, every byte of it (spaces
+/// too), and at most one line ending (`\n` or `\r\n`) after it.
 fn with_password_file(url: &str, key: &str, file: &str) -> Result<String, ConfigError> {
     let text = std::fs::read_to_string(file)
         .map_err(|e| key_err(key, format!("cannot read {file}: {e}")))?;
-    let password = text.trim_end_matches(['\n', '\r']);
+    if let Some(warning) = password_file_warning(key, Path::new(file)) {
+        tracing::warn!("{warning}");
+    }
+    let password = match text.strip_suffix('\n') {
+        Some(line) => line.strip_suffix('\r').unwrap_or(line),
+        None => &text,
+    };
     if password.is_empty() {
         return Err(key_err(key, format!("{file} is empty")));
+    }
+    if password.contains(['\n', '\r']) {
+        return Err(key_err(
+            key,
+            format!("{file} holds more than one line; it must hold only the password"),
+        ));
     }
     let encoded: String =
         percent_encoding::utf8_percent_encode(password, percent_encoding::NON_ALPHANUMERIC)
@@ -729,8 +771,98 @@ fn with_password_file(url: &str, key: &str, file: &str) -> Result<String, Config
     ))
 }
 
+/// The warning for a password file that group or others may read or write
+/// (libpq ignores such a `.pgpass`; we only warn).
+fn password_file_warning(key: &str, path: &Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode();
+    (mode & 0o077 != 0).then(|| {
+        format!(
+            "{key}: {} is accessible by group or others (mode {:03o}); restrict it with `chmod 600`",
+            path.display(),
+            mode & 0o777
+        )
+    })
+}
+
+/// An empty string (e.g. an environment override) means "not set".
 fn non_empty(v: Option<String>) -> Option<String> {
     v.filter(|s| !s.trim().is_empty())
+}
+
+/// libpq's rules for `sslmode` and `sslrootcert` (`ca_file`): the mode and
+/// the CA file both connections verify with.
+///
+/// - `sslrootcert=system` means the system's CA bundle, makes `verify-full`
+///   the default, and refuses any weaker mode: a public CA signs a
+///   certificate for anyone's domain, so only the host name check makes it
+///   mean anything.
+/// - `verify-ca` and `verify-full` need a CA file; there is no fallback to
+///   public roots (over a Unix socket, where there is no TLS, they are
+///   accepted, as libpq does).
+fn postgres_trust(
+    mode: Option<SslMode>,
+    ca_file: Option<String>,
+    sslrootcert: Option<String>,
+    target: &PgTarget,
+    ssl_cert_file: Option<&str>,
+) -> Result<(SslMode, Option<PathBuf>), ConfigError> {
+    let (key, root) = match (ca_file, sslrootcert) {
+        (Some(f), _) => ("postgres.ca_file", Some(f)),
+        (None, Some(f)) => ("postgres.url", Some(f)),
+        (None, None) => ("postgres.ca_file", None),
+    };
+    let system = root.as_deref() == Some("system");
+    let mode = match mode {
+        Some(m) => m,
+        None if system => SslMode::VerifyFull,
+        None => SslMode::default(),
+    };
+    if system && mode != SslMode::VerifyFull {
+        return Err(key_err(
+            "postgres.sslmode",
+            format!(
+                "sslrootcert=system trusts every public CA, so it is allowed only with \
+                 sslmode = \"verify-full\" (as libpq), which also checks the host name; got \
+                 {mode}. Use verify-full, or set postgres.ca_file to your own CA"
+            ),
+        ));
+    }
+    let ca = match root {
+        Some(_) if system => {
+            let bundle = crate::tls::system_ca_bundle(ssl_cert_file).ok_or_else(|| {
+                key_err(
+                    key,
+                    "sslrootcert=system: no system CA bundle found (SSL_CERT_FILE, \
+                     /etc/ssl/certs/ca-certificates.crt...); install the system's CA \
+                     certificates or set postgres.ca_file",
+                )
+            })?;
+            Some(check_ca_file(key, &bundle.display().to_string())?)
+        }
+        Some(f) if key == "postgres.url" => {
+            let path = PathBuf::from(f);
+            crate::tls::load_ca_file(&path)
+                .map_err(|e| key_err(key, format!("sslrootcert: {e}")))?;
+            Some(path)
+        }
+        Some(f) => Some(check_ca_file(key, &f)?),
+        None => None,
+    };
+    let verifies = matches!(mode, SslMode::VerifyCa | SslMode::VerifyFull);
+    if verifies && ca.is_none() && matches!(target, PgTarget::Tcp { .. }) {
+        return Err(key_err(
+            "postgres.ca_file",
+            format!(
+                "sslmode = \"{mode}\" verifies the server's certificate, which needs the CA \
+                 that signed it: set postgres.ca_file (or sslrootcert= in postgres.url). As \
+                 libpq, the relay does not fall back to the public CAs, which sign a \
+                 certificate for anyone's domain; for a server with a public certificate use \
+                 sslmode = \"verify-full\" with sslrootcert=system"
+            ),
+        ));
+    }
+    Ok((mode, ca))
 }
 
 /// The CA file must be readable and hold a certificate now, not at the
@@ -918,15 +1050,100 @@ listen = "127.0.0.1:9187"
 
         let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_SSLMODE", "require")]).unwrap();
         assert_eq!(c.postgres.sslmode, SslMode::Require);
-        let c = load(
-            MINIMAL,
-            &[(
-                "OUTBOX_RELAY_POSTGRES_URL",
-                "postgres://relay@db/app?sslrootcert=system",
-            )],
-        )
-        .unwrap();
+    }
+
+    /// libpq's rules: no verification without a CA of one's own, and the
+    /// public CAs (`sslrootcert=system`) only with the host name checked.
+    #[test]
+    fn verifying_modes_need_a_ca_and_system_roots_need_verify_full() {
+        let (_dir, ca) = ca_pem();
+        let url = |q: &str| format!("postgres://relay@db.example/app{q}");
+        let system = [("SSL_CERT_FILE", ca.as_str())];
+        // sslrootcert=system: the system bundle, verify-full by default.
+        let u = url("?sslrootcert=system");
+        let env = [("OUTBOX_RELAY_POSTGRES_URL", u.as_str()), system[0]];
+        let c = load(MINIMAL, &env).unwrap();
+        assert_eq!(c.postgres.sslmode, SslMode::VerifyFull);
+        assert_eq!(c.postgres.ca_file, Some(PathBuf::from(&ca)));
+        // ... and refused with any weaker mode, from the URL or the file.
+        for q in [
+            "?sslrootcert=system&sslmode=require",
+            "?sslrootcert=system&sslmode=verify-ca",
+        ] {
+            let u = url(q);
+            let env = [("OUTBOX_RELAY_POSTGRES_URL", u.as_str()), system[0]];
+            let err = load(MINIMAL, &env).unwrap_err().to_string();
+            assert!(
+                err.contains("postgres.sslmode") && err.contains("verify-full"),
+                "{q}: {err}"
+            );
+        }
+        let env = [
+            ("OUTBOX_RELAY_POSTGRES_CA_FILE", "system"),
+            ("OUTBOX_RELAY_POSTGRES_SSLMODE", "prefer"),
+            system[0],
+        ];
+        let err = load(MINIMAL, &env).unwrap_err().to_string();
+        assert!(err.contains("postgres.sslmode"), "{err}");
+
+        // verify-ca and verify-full without a CA file: refused at start.
+        for mode in ["verify-ca", "verify-full"] {
+            let u = url(&format!("?sslmode={mode}"));
+            for env in [
+                vec![("OUTBOX_RELAY_POSTGRES_URL", u.as_str())],
+                vec![("OUTBOX_RELAY_POSTGRES_SSLMODE", mode)],
+            ] {
+                let err = load(MINIMAL, &env).unwrap_err().to_string();
+                assert!(
+                    err.contains("postgres.ca_file") && err.contains("sslrootcert=system"),
+                    "{mode}: {err}"
+                );
+            }
+        }
+        // Over a Unix socket there is no TLS: libpq accepts the mode there.
+        let u = "postgres://relay@%2Fvar%2Frun%2Fpostgresql/app?sslmode=verify-full";
+        let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_URL", u)]).unwrap();
         assert_eq!(c.postgres.ca_file, None);
+
+        // amqps: the configured CA alone, else the system bundle.
+        let amqps = [("OUTBOX_RELAY_RABBITMQ_URL", "amqps://u:p@mq.example/%2f")];
+        let c = load(MINIMAL, &[amqps[0], system[0]]).unwrap();
+        assert_eq!(c.rabbitmq.ca_file, Some(PathBuf::from(&ca)));
+        let (_dir2, own) = ca_pem();
+        let env = [
+            amqps[0],
+            system[0],
+            ("OUTBOX_RELAY_RABBITMQ_CA_FILE", own.as_str()),
+        ];
+        let c = load(MINIMAL, &env).unwrap();
+        assert_eq!(c.rabbitmq.ca_file, Some(PathBuf::from(&own)));
+        let env = [amqps[0], ("SSL_CERT_FILE", "/nonexistent/bundle.pem")];
+        let err = load(MINIMAL, &env).unwrap_err().to_string();
+        assert!(err.contains("rabbitmq.ca_file"), "{err}");
+    }
+
+    #[test]
+    fn urls_that_could_reach_two_servers_are_refused() {
+        for u in [
+            "postgres://relay@h1:5432,h2:5433/app",
+            "postgres://relay@/app",
+            "postgres://relay@db/app?hostaddr=10.0.0.1,10.0.0.2",
+        ] {
+            let err = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_URL", u)])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("postgres.url"), "{u}: {err}");
+        }
+        let u = "postgres://relay@db.example/app?hostaddr=10.0.0.1";
+        let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_URL", u)]).unwrap();
+        assert_eq!(
+            c.postgres.target,
+            PgTarget::Tcp {
+                name: "db.example".into(),
+                addr: "10.0.0.1".into(),
+                port: 5432
+            }
+        );
     }
 
     #[test]
@@ -1026,6 +1243,73 @@ listen = "127.0.0.1:9187"
         .unwrap_err()
         .to_string();
         assert!(err.contains("postgres.password_file"), "{err}");
+    }
+
+    /// The URL `with_password_file` makes from a private file holding `content`.
+    fn url_from_password_file(content: &str) -> Result<String, String> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        std::fs::write(&f, content).unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let f = f.display().to_string();
+        with_password_file("postgres://relay@db/app", "postgres.password_file", &f)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn password_file_trims_one_line_ending_only() {
+        assert_eq!(
+            url_from_password_file("pw").unwrap(),
+            "postgres://relay:pw@db/app"
+        );
+        assert_eq!(
+            url_from_password_file("pw\n").unwrap(),
+            "postgres://relay:pw@db/app"
+        );
+        assert_eq!(
+            url_from_password_file("pw\r\n").unwrap(),
+            "postgres://relay:pw@db/app"
+        );
+        // Spaces are part of the password.
+        assert_eq!(
+            url_from_password_file(" pw \n").unwrap(),
+            "postgres://relay:%20pw%20@db/app"
+        );
+    }
+
+    #[test]
+    fn password_file_must_hold_one_line() {
+        for content in ["pw\n\n", "a\nb", "a\nb\n", "pw\r\n\r\n", "\n\n"] {
+            let err = url_from_password_file(content).unwrap_err();
+            assert!(err.contains("postgres.password_file"), "{content:?}: {err}");
+            assert!(err.contains("only the password"), "{content:?}: {err}");
+        }
+        for content in ["", "\n", "\r\n"] {
+            let err = url_from_password_file(content).unwrap_err();
+            assert!(err.contains("is empty"), "{content:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn password_file_readable_by_others_is_warned_about() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        std::fs::write(&f, "s3cret").unwrap();
+        let key = "rabbitmq.password_file";
+        for mode in [0o644, 0o640, 0o604, 0o620] {
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+            let warning = password_file_warning(key, &f).expect("a warning");
+            assert!(warning.contains(key), "{warning}");
+            assert!(warning.contains(&f.display().to_string()), "{warning}");
+            assert!(warning.contains("chmod 600"), "{warning}");
+            assert!(!warning.contains("s3cret"), "{warning}");
+        }
+        for mode in [0o600, 0o400] {
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert_eq!(password_file_warning(key, &f), None, "{mode:o}");
+        }
     }
 
     #[test]

@@ -1,13 +1,24 @@
 //! `/metrics` (Prometheus text), `/healthz` (process alive), `/readyz`
 //! (streaming from the slot, broker connected and not blocking us).
+//!
+//! Served with hyper directly so that slow or many clients are bounded: a
+//! timeout on request headers, a lifetime per connection and a cap on
+//! connections (see the constants).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
@@ -22,12 +33,54 @@ pub struct HttpError {
     pub source: std::io::Error,
 }
 
+/// Longest wait for a request's headers, counted from when the connection
+/// is ready for the next request (so it also bounds an idle keep-alive
+/// connection). Prometheus and probes send a request in one packet; 10 s
+/// tolerates a slow network yet cuts off a client that never finishes.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest life of one connection, whatever it is doing (e.g. sending a body
+/// or reading the answer very slowly); it is then closed after the request
+/// in progress, which gets `HEADER_READ_TIMEOUT` more to finish. A minute is
+/// several scrapes: reconnecting that often costs nothing.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+/// Most connections served at once; more are closed as soon as accepted.
+/// A scraper or two and the probes need a handful; 64 bounds the tasks and
+/// buffers (each at most hyper's ~400 KB) that clients can make us hold.
+const MAX_CONNECTIONS: usize = 64;
+/// Refused connections are logged at most this often, with a count.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Pause after a failed `accept` (e.g. out of file descriptors).
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_secs(1);
+
+/// What a client may hold; tests shorten the times.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    header_read: Duration,
+    lifetime: Duration,
+    max_connections: usize,
+}
+
+const LIMITS: Limits = Limits {
+    header_read: HEADER_READ_TIMEOUT,
+    lifetime: CONNECTION_LIFETIME,
+    max_connections: MAX_CONNECTIONS,
+};
+
 /// Binds `addr` and serves until `stop`; returns the bound address (useful
 /// with port 0).
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
     stop: CancellationToken,
+) -> Result<SocketAddr, HttpError> {
+    serve_with(addr, metrics, stop, LIMITS).await
+}
+
+async fn serve_with(
+    addr: SocketAddr,
+    metrics: Metrics,
+    stop: CancellationToken,
+    limits: Limits,
 ) -> Result<SocketAddr, HttpError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -40,13 +93,72 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
         .with_state(metrics);
-    tokio::spawn(async move {
-        let server = axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
-        if let Err(e) = server.await {
-            tracing::warn!(error = %e, "HTTP endpoint stopped");
-        }
-    });
+    tokio::spawn(accept_loop(listener, app, stop, limits));
     Ok(bound)
+}
+
+async fn accept_loop(listener: TcpListener, app: Router, stop: CancellationToken, limits: Limits) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let (mut refused, mut last_log) = (0u64, None::<Instant>);
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "HTTP endpoint cannot accept a connection");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(ACCEPT_ERROR_PAUSE) => continue,
+                }
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            refused += 1;
+            if last_log.is_none_or(|t: Instant| t.elapsed() >= REFUSAL_LOG_INTERVAL) {
+                tracing::warn!(
+                    %peer, refused, limit = limits.max_connections,
+                    "HTTP endpoint busy: closed connections beyond the limit"
+                );
+                (refused, last_log) = (0, Some(Instant::now()));
+            }
+            continue;
+        };
+        let (app, stop) = (app.clone(), stop.clone());
+        tokio::spawn(async move {
+            serve_connection(stream, app, stop, limits).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Serves one connection until the client closes it, it breaks a limit, or
+/// `stop`; a request in progress then gets `header_read` to finish.
+async fn serve_connection(stream: TcpStream, app: Router, stop: CancellationToken, limits: Limits) {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read);
+    let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => return log_end(r),
+        () = tokio::time::sleep(limits.lifetime) => {}
+        () = stop.cancelled() => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    if let Ok(r) = tokio::time::timeout(limits.header_read, conn).await {
+        log_end(r);
+    }
+}
+
+fn log_end(r: Result<(), hyper::Error>) {
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "HTTP connection ended");
+    }
 }
 
 async fn metrics_handler(State(m): State<Metrics>) -> impl IntoResponse {
@@ -72,5 +184,141 @@ async fn ready_handler(State(m): State<Metrics>) -> impl IntoResponse {
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: not streaming (connecting or reconnecting)\n",
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// How long a test waits for anything the server should do quickly.
+    const PATIENCE: Duration = Duration::from_secs(3);
+
+    async fn start(limits: Limits) -> SocketAddr {
+        let addr = "127.0.0.1:0".parse().unwrap();
+        let stop = CancellationToken::new();
+        // Dropping the token does not cancel it: the server lives on.
+        serve_with(addr, Metrics::new(), stop, limits)
+            .await
+            .unwrap()
+    }
+
+    /// Sends `request` on a new connection; everything the server sends
+    /// back before it closes, or None if it has not closed within PATIENCE.
+    async fn exchange(addr: SocketAddr, request: &str) -> Option<String> {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        // A refused connection may be closed before (or while) we write.
+        let _ = s.write_all(request.as_bytes()).await;
+        let mut out = Vec::new();
+        match tokio::time::timeout(PATIENCE, s.read_to_end(&mut out)).await {
+            Ok(_) => Some(String::from_utf8_lossy(&out).into_owned()),
+            Err(_) => None,
+        }
+    }
+
+    fn get(path: &str) -> String {
+        format!("GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+    }
+
+    #[tokio::test]
+    async fn metrics_are_served() {
+        let addr = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            Metrics::new(),
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap();
+        let response = exchange(addr, &get("/metrics")).await.expect("an answer");
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        assert!(
+            response.contains("application/openmetrics-text"),
+            "{response}"
+        );
+        assert!(response.trim_end().ends_with("# EOF"), "{response}");
+        let response = exchange(addr, &get("/readyz")).await.expect("an answer");
+        assert!(response.starts_with("HTTP/1.1 503"), "{response}");
+    }
+
+    #[tokio::test]
+    async fn unfinished_headers_are_cut_off() {
+        let addr = start(Limits {
+            header_read: Duration::from_millis(200),
+            ..LIMITS
+        })
+        .await;
+        let started = Instant::now();
+        let response = exchange(addr, "GET /metrics HTTP/1.1\r\nHost: rel")
+            .await
+            .expect("the server should close the connection");
+        assert!(!response.contains("200 OK"), "{response}");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_cap_are_refused() {
+        let addr = start(Limits {
+            header_read: Duration::from_millis(500),
+            max_connections: 2,
+            ..LIMITS
+        })
+        .await;
+        let mut idle = Vec::new();
+        for _ in 0..2 {
+            idle.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let response = exchange(addr, &get("/healthz")).await;
+        assert!(
+            response.as_deref().is_none_or(|r| !r.contains("200 OK")),
+            "served beyond the cap: {response:?}"
+        );
+        // The idle connections time out (they sent no request) and free
+        // their slots.
+        for mut s in idle {
+            let read = tokio::time::timeout(PATIENCE, s.read(&mut [0; 64])).await;
+            assert!(read.is_ok(), "an idle connection was kept");
+        }
+        let response = exchange(addr, &get("/healthz")).await.expect("an answer");
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        assert!(response.ends_with("\r\n\r\nok\n"), "{response}");
+    }
+
+    #[tokio::test]
+    async fn stop_closes_the_endpoint() {
+        let stop = CancellationToken::new();
+        let addr = serve("127.0.0.1:0".parse().unwrap(), Metrics::new(), stop.clone())
+            .await
+            .unwrap();
+        let mut idle = TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stop.cancel();
+        let read = tokio::time::timeout(PATIENCE, idle.read(&mut [0; 64])).await;
+        assert!(read.is_ok(), "an idle connection outlived stop");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(TcpStream::connect(addr).await.is_err(), "still listening");
+    }
+
+    #[tokio::test]
+    async fn a_busy_keep_alive_connection_lives_at_most_its_lifetime() {
+        let addr = start(Limits {
+            lifetime: Duration::from_millis(300),
+            ..LIMITS
+        })
+        .await;
+        // A request every 50 ms never lets the header timeout fire.
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let started = Instant::now();
+        let mut buf = [0; 1024];
+        while started.elapsed() < PATIENCE {
+            let request = b"GET /healthz HTTP/1.1\r\nHost: relay\r\n\r\n";
+            if s.write_all(request).await.is_err()
+                || matches!(s.read(&mut buf).await, Ok(0) | Err(_))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the connection was kept for {PATIENCE:?}");
     }
 }

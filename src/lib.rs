@@ -19,7 +19,7 @@
 //! | re-publishing from the table | [`recover`] |
 //! | operator commands, preflight | [`cli`], [`check`] |
 //! | metrics, health | [`metrics`], [`http`] |
-//! | configuration, TLS | [`config`], [`tls`] |
+//! | configuration, TLS, PostgreSQL URLs | [`config`], [`tls`], [`pgurl`] |
 //!
 //! # LSN invariants
 //!
@@ -47,6 +47,7 @@ pub mod message;
 pub mod metrics;
 pub mod outbox;
 pub mod pgoutput;
+pub mod pgurl;
 pub mod recover;
 pub mod relay;
 pub mod sink;

@@ -3,22 +3,28 @@
 //! broker connection (tokio-rustls; lapin's rustls for `check`). All use the
 //! ring provider.
 //!
-//! PostgreSQL follows libpq's `sslmode`:
+//! PostgreSQL follows libpq's `sslmode`, and refuses what libpq refuses:
 //!
 //! | sslmode | TLS | certificate checked | host name checked |
 //! |---|---|---|---|
 //! | `disable` | never | - | - |
 //! | `prefer` (default) | if the server offers it, else plaintext | no | no |
 //! | `require` | always | only if a CA file is set (as libpq) | no |
-//! | `verify-ca` | always | yes | no |
-//! | `verify-full` | always | yes | yes |
+//! | `verify-ca` | always | yes, against the CA file only | no |
+//! | `verify-full` | always | yes, against the CA file only | yes |
 //!
-//! The CA is `postgres.ca_file` (or `sslrootcert=` in the URL); without one,
-//! the Mozilla roots of `webpki-roots` are trusted. Unix-socket connections
-//! never use TLS (libpq ignores `sslmode` for them too).
+//! The CA is `postgres.ca_file` (or `sslrootcert=` in the URL). There is no
+//! fallback to public roots: `verify-ca` and `verify-full` without a CA file
+//! are refused when the configuration is loaded, because "any certificate a
+//! public CA signed" is something anyone can obtain for a domain of their
+//! own. The one exception is libpq's `sslrootcert=system`: the system's CA
+//! bundle ([`system_ca_bundle`]), allowed only with `verify-full` (and its
+//! default then), so a public certificate must at least name the host.
+//! Unix-socket connections never use TLS (libpq ignores `sslmode` there too).
 //!
 //! RabbitMQ: `amqps://` URLs use TLS and verify the broker's certificate and
-//! host name against the Mozilla roots plus `rabbitmq.ca_file`.
+//! host name against `rabbitmq.ca_file` alone when it is set (a private CA
+//! pins the broker), else against the system's CA bundle.
 //!
 //! Handshake failures are turned into messages that name the setting to
 //! change, see [`postgres_failure`] and [`rabbitmq_failure`].
@@ -34,6 +40,8 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+use crate::pgurl::PgTarget;
 
 /// libpq's `sslmode`, for both PostgreSQL connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -108,71 +116,6 @@ fn verification(mode: SslMode, has_ca: bool) -> Verify {
     }
 }
 
-// ------------------------------------------------------------------ URLs
-
-/// A `postgres://` URL split into the part tokio-postgres understands and
-/// libpq's TLS parameters, which it does not (`verify-ca`, `verify-full`,
-/// `sslrootcert`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PgUrl {
-    /// The URL without `sslmode` and `sslrootcert`.
-    pub url: String,
-    /// `sslmode=` as written.
-    pub sslmode: Option<String>,
-    /// `sslrootcert=`, percent-decoded.
-    pub sslrootcert: Option<String>,
-}
-
-/// Splits `sslmode` and `sslrootcert` out of the URL's query string.
-pub fn split_pg_url(url: &str) -> PgUrl {
-    let Some((base, query)) = url.split_once('?') else {
-        return PgUrl {
-            url: url.to_owned(),
-            sslmode: None,
-            sslrootcert: None,
-        };
-    };
-    let (mut sslmode, mut sslrootcert) = (None, None);
-    let mut kept = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        match percent_decode(k).as_str() {
-            "sslmode" => sslmode = Some(percent_decode(v)),
-            "sslrootcert" => sslrootcert = Some(percent_decode(v)),
-            _ => kept.push(pair),
-        }
-    }
-    let url = if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    };
-    PgUrl {
-        url,
-        sslmode,
-        sslrootcert,
-    }
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = |c: u8| (c as char).to_digit(16);
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 // ------------------------------------------------------------ certificates
 
 /// Reads a PEM file of CA certificates; the message says what is wrong with
@@ -202,15 +145,33 @@ fn read_ca_file(path: &Path) -> Result<(String, Vec<CertificateDer<'static>>), S
     Ok((pem, certs))
 }
 
-/// The roots to verify against: the CA file if given, else webpki-roots.
-fn root_store(ca_file: Option<&Path>) -> Result<RootCertStore, String> {
-    let mut roots = RootCertStore::empty();
-    match ca_file {
-        Some(path) => {
-            roots.add_parsable_certificates(load_ca_file(path)?);
-        }
-        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+/// Where OpenSSL (and so libpq's `sslrootcert=system`) finds the system's
+/// CA bundle on the common distributions: Debian and Ubuntu, Fedora and
+/// RHEL, openSUSE, Alpine.
+const SYSTEM_BUNDLES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// The system's CA bundle: `SSL_CERT_FILE` when set (as OpenSSL reads it),
+/// else the first of the distributions' bundle files that exists.
+pub fn system_ca_bundle(ssl_cert_file: Option<&str>) -> Option<PathBuf> {
+    if let Some(f) = ssl_cert_file.filter(|f| !f.is_empty()) {
+        return Some(PathBuf::from(f));
     }
+    SYSTEM_BUNDLES
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+}
+
+/// The roots to verify against: the CA file's certificates, and nothing
+/// else.
+fn root_store(ca_file: &Path) -> Result<RootCertStore, String> {
+    let mut roots = RootCertStore::empty();
+    roots.add_parsable_certificates(load_ca_file(ca_file)?);
     Ok(roots)
 }
 
@@ -227,28 +188,35 @@ fn client_config(verify: Verify, ca_file: Option<&Path>) -> Result<ClientConfig,
     let builder = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?;
+    // Refused when the configuration was loaded; never fall back to public
+    // roots here.
+    let ca = || {
+        ca_file.ok_or_else(|| {
+            "verifying the server certificate needs a CA file (postgres.ca_file)".to_owned()
+        })
+    };
     let config = match verify {
         Verify::Full => builder
-            .with_root_certificates(root_store(ca_file)?)
+            .with_root_certificates(root_store(ca()?)?)
             .with_no_client_auth(),
-        Verify::Chain => {
-            let inner = WebPkiServerVerifier::builder_with_provider(
-                Arc::new(root_store(ca_file)?),
-                provider,
-            )
-            .build()
-            .map_err(|e| e.to_string())?;
-            builder
-                .dangerous()
-                .with_custom_certificate_verifier(Arc::new(ChainOnly(inner)))
-                .with_no_client_auth()
-        }
+        Verify::Chain => builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(chain_only(ca()?, provider)?))
+            .with_no_client_auth(),
         Verify::Nothing => builder
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(NoVerification(provider)))
             .with_no_client_auth(),
     };
     Ok(config)
+}
+
+fn chain_only(ca_file: &Path, provider: Arc<CryptoProvider>) -> Result<ChainOnly, String> {
+    let inner =
+        WebPkiServerVerifier::builder_with_provider(Arc::new(root_store(ca_file)?), provider)
+            .build()
+            .map_err(|e| e.to_string())?;
+    Ok(ChainOnly(inner))
 }
 
 /// verify-ca: the chain must lead to a trusted root; the names in the
@@ -390,43 +358,47 @@ pub fn postgres_sql_tls(
     ))
 }
 
-/// pgwire-replication's TLS settings for `mode`, connecting to `host:port`
-/// (`host` `None`: a Unix socket).
+/// pgwire-replication's TLS settings for `mode`, connecting to `target`.
 ///
 /// pgwire-replication 0.5's verify-ca still compares the host name with the
 /// certificate (it waits for rustls's `NotValidForName`, which rustls now
 /// reports as `NotValidForNameContext`). So where only the chain is to be
 /// verified, a short probe connection reads the server's certificate first,
-/// verifying its chain, and if the certificate does not name `host`, one of
-/// the names it does list is given to pgwire-replication as the name to
-/// check: a certificate signed by the trusted CA passes, as verify-ca says.
+/// verifying its chain against the CA file, and if the certificate does not
+/// name the host, one of the names it does list is given to
+/// pgwire-replication as the name to check: a certificate signed by the
+/// configured CA passes, as verify-ca says, and no other does (the real
+/// connection verifies the chain again, against the same CA file).
 pub async fn postgres_replication_tls_for(
     mode: SslMode,
     ca_file: Option<&Path>,
-    host: Option<&str>,
-    port: u16,
-) -> pgwire_replication::TlsConfig {
-    let tls = postgres_replication_tls(mode, ca_file, host);
-    match host {
-        Some(host) if tls.mode == pgwire_replication::SslMode::VerifyCa => {
-            let probe = certificate_name_for(host, port, ca_file);
-            match tokio::time::timeout(std::time::Duration::from_secs(10), probe).await {
-                Ok(Some(name)) => tls.with_sni_hostname(name),
-                // No TLS, an untrusted chain...: the real connection says so.
-                _ => tls,
-            }
+    target: &PgTarget,
+) -> Result<pgwire_replication::TlsConfig, String> {
+    let tls = postgres_replication_tls(mode, ca_file, target)?;
+    match (target, ca_file) {
+        (PgTarget::Tcp { name, addr, port }, Some(ca))
+            if tls.mode == pgwire_replication::SslMode::VerifyCa =>
+        {
+            let probe = certificate_name_for(name, addr, *port, ca);
+            Ok(
+                match tokio::time::timeout(std::time::Duration::from_secs(10), probe).await {
+                    Ok(Some(name)) => tls.with_sni_hostname(name),
+                    // No TLS, an untrusted chain...: the real connection says so.
+                    _ => tls,
+                },
+            )
         }
-        _ => tls,
+        _ => Ok(tls),
     }
 }
 
-/// A name the certificate of the server at `host:port` lists, when it does
-/// not list `host` and its chain is trusted; `None` otherwise.
-async fn certificate_name_for(host: &str, port: u16, ca_file: Option<&Path>) -> Option<String> {
+/// A name the certificate of the server at `addr:port` lists, when it does
+/// not list `name` and its chain leads to `ca_file`; `None` otherwise.
+async fn certificate_name_for(name: &str, addr: &str, port: u16, ca_file: &Path) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
-    let mut tcp = tokio::net::TcpStream::connect((host, port)).await.ok()?;
+    let mut tcp = tokio::net::TcpStream::connect((addr, port)).await.ok()?;
     // SSLRequest: length 8, code 80877103.
     tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
         .await
@@ -437,25 +409,19 @@ async fn certificate_name_for(host: &str, port: u16, ca_file: Option<&Path>) -> 
         return None;
     }
     let provider = provider();
-    let inner = WebPkiServerVerifier::builder_with_provider(
-        Arc::new(root_store(ca_file).ok()?),
-        provider.clone(),
-    )
-    .build()
-    .ok()?;
     let seen: Seen = Arc::new(std::sync::Mutex::new(None));
-    let config = ClientConfig::builder_with_provider(provider)
+    let config = ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .ok()?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(Recording {
-            inner: ChainOnly(inner),
+            inner: chain_only(ca_file, provider).ok()?,
             seen: seen.clone(),
         }))
         .with_no_client_auth();
     let mut make = tokio_postgres_rustls::MakeRustlsConnect::new(config);
     let connect =
-        MakeTlsConnect::<tokio::net::TcpStream>::make_tls_connect(&mut make, host).ok()?;
+        MakeTlsConnect::<tokio::net::TcpStream>::make_tls_connect(&mut make, name).ok()?;
     let stream = connect.connect(tcp).await.ok()?;
     drop(stream);
     let (der, name_matched): (Vec<u8>, bool) = seen.lock().ok()?.take()?;
@@ -567,71 +533,78 @@ impl ServerCertVerifier for Recording {
     }
 }
 
-/// pgwire-replication's TLS settings for `mode`, connecting to `host`
-/// (`None`: a Unix socket); see [`postgres_replication_tls_for`].
+/// pgwire-replication's TLS settings for `mode`, connecting to `target`;
+/// see [`postgres_replication_tls_for`]. The name checked (and sent as SNI)
+/// is always the URL's host name, also when `hostaddr` says where to
+/// connect, exactly as for the SQL connection.
 pub fn postgres_replication_tls(
     mode: SslMode,
     ca_file: Option<&Path>,
-    host: Option<&str>,
-) -> pgwire_replication::TlsConfig {
+    target: &PgTarget,
+) -> Result<pgwire_replication::TlsConfig, String> {
     use pgwire_replication::TlsConfig;
-    let Some(host) = host else {
-        return TlsConfig::disabled();
+    let PgTarget::Tcp { name, .. } = target else {
+        return Ok(TlsConfig::disabled());
     };
     let ca: Option<PathBuf> = ca_file.map(Path::to_path_buf);
-    match (mode, verification(mode, ca.is_some())) {
-        (SslMode::Disable, _) => TlsConfig::disabled(),
+    let tls = match (mode, verification(mode, ca.is_some())) {
+        (SslMode::Disable, _) => return Ok(TlsConfig::disabled()),
         (SslMode::Prefer, _) => TlsConfig {
             mode: pgwire_replication::SslMode::Prefer,
             ..TlsConfig::default()
         },
         (_, Verify::Nothing) => TlsConfig::require(),
-        (_, Verify::Chain) => TlsConfig::verify_ca(ca),
-        (_, Verify::Full) => {
-            let tls = TlsConfig::verify_full(ca);
-            // pgwire-replication refuses verify-full with an IP address
-            // unless told the name to check: the address itself, which
-            // rustls then matches against the certificate's IP SANs.
-            if host.parse::<std::net::IpAddr>().is_ok() {
-                tls.with_sni_hostname(host)
-            } else {
-                tls
-            }
+        // pgwire-replication would fall back to the Mozilla roots: never.
+        (_, Verify::Chain | Verify::Full) if ca.is_none() => {
+            return Err(format!(
+                "sslmode={mode} needs a CA file to verify the server certificate \
+                 (postgres.ca_file)"
+            ));
         }
-    }
+        (_, Verify::Chain) => TlsConfig::verify_ca(ca),
+        (_, Verify::Full) => TlsConfig::verify_full(ca),
+    };
+    Ok(tls.with_sni_hostname(name.as_str()))
 }
 
 // -------------------------------------------------------------- RabbitMQ
 
-/// lapin's TLS settings: the CA file's certificates are trusted in addition
-/// to the Mozilla roots.
-pub fn rabbitmq_tls(ca_file: Option<&Path>) -> Result<lapin::tcp::OwnedTLSConfig, String> {
+/// lapin's TLS settings, for `check`: the certificates of `roots` (the CA
+/// file, or the system bundle) and nothing else. lapin is built without a
+/// bundled root set, so these are all it trusts.
+pub fn rabbitmq_tls(roots: &Path) -> Result<lapin::tcp::OwnedTLSConfig, String> {
     provider();
-    let cert_chain = match ca_file {
-        Some(path) => Some(read_ca_file(path)?.0),
-        None => None,
-    };
     Ok(lapin::tcp::OwnedTLSConfig {
         identity: None,
-        cert_chain,
+        cert_chain: Some(read_ca_file(roots)?.0),
     })
 }
 
-/// The relay's own AMQP connection's TLS settings: the Mozilla roots, and
-/// the CA file's certificates besides, as for `check` (lapin).
-pub fn rabbitmq_client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
-    let provider = provider();
-    let mut roots = RootCertStore::empty();
-    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    if let Some(path) = ca_file {
-        roots.add_parsable_certificates(read_ca_file(path)?.1);
-    }
-    let config = ClientConfig::builder_with_provider(provider)
+/// The relay's own AMQP connection's TLS settings: the certificates of
+/// `roots` (the CA file, or the system bundle) and nothing else.
+pub fn rabbitmq_client_config(roots: &Path) -> Result<Arc<ClientConfig>, String> {
+    let config = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
+        .with_root_certificates(root_store(roots)?)
         .with_no_client_auth();
     Ok(Arc::new(config))
+}
+
+/// A TLS handshake with the broker at `host:port`, trusting `roots` as the
+/// relay's own client does. `check` runs it before lapin, whose TLS errors
+/// do not say why the broker was refused.
+pub async fn rabbitmq_handshake(host: &str, port: u16, roots: &Path) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let config =
+        rabbitmq_client_config(roots).map_err(|e| Error::new(ErrorKind::InvalidInput, e))?;
+    let name = ServerName::try_from(host.to_owned())
+        .map_err(|e| Error::new(ErrorKind::InvalidInput, e))?;
+    let tcp = tokio::net::TcpStream::connect((host, port)).await?;
+    tokio_rustls::TlsConnector::from(config)
+        .connect(name, tcp)
+        .await
+        .map(drop)
 }
 
 // -------------------------------------------------------------- failures
@@ -743,17 +716,18 @@ pub fn postgres_failure(f: &TlsFailure, url: &str, mode: SslMode) -> String {
     match f {
         TlsFailure::Untrusted(d) => format!(
             "{what}: certificate not trusted ({d}); set postgres.ca_file to the CA that signed \
-             the server certificate, or lower postgres.sslmode (now {mode}; require encrypts \
-             without verifying)"
+             the server certificate (postgres.sslmode is {mode}: a certificate from any other CA, \
+             public or not, is refused)"
         ),
         TlsFailure::WrongHost(d) => format!(
             "{what}: the server certificate is not for this host ({d}); connect with a host name \
-             the certificate lists in postgres.url, or set postgres.sslmode = \"verify-ca\" \
-             (now {mode}) to skip the host name check"
+             the certificate lists in postgres.url (hostaddr= in the URL can still say which \
+             address to connect to), or have the server's certificate issued for this name \
+             (sslmode now {mode})"
         ),
         TlsFailure::Expired(d) => format!(
-            "{what}: the server certificate is not valid now ({d}); renew it, or lower \
-             postgres.sslmode (now {mode})"
+            "{what}: the server certificate is not valid now ({d}); renew it \
+             (postgres.sslmode is {mode})"
         ),
         TlsFailure::NoServerTls => format!(
             "{what}: the server does not accept TLS connections (ssl = off); enable ssl on the \
@@ -833,27 +807,6 @@ mod tests {
     }
 
     #[test]
-    fn url_tls_parameters_are_split_out() {
-        let u = split_pg_url(
-            "postgres://u:p@db:5432/app?sslmode=verify-full&application_name=x&sslrootcert=%2Fetc%2Fca.pem",
-        );
-        assert_eq!(u.url, "postgres://u:p@db:5432/app?application_name=x");
-        assert_eq!(u.sslmode.as_deref(), Some("verify-full"));
-        assert_eq!(u.sslrootcert.as_deref(), Some("/etc/ca.pem"));
-
-        let u = split_pg_url("postgres://db/app?sslmode=require");
-        assert_eq!(u.url, "postgres://db/app");
-        assert_eq!(u.sslmode.as_deref(), Some("require"));
-        assert_eq!(u.sslrootcert, None);
-
-        let u = split_pg_url("postgres://db/app");
-        assert_eq!(u.url, "postgres://db/app");
-        assert_eq!(u.sslmode, None);
-        assert_eq!(percent_decode("a%2"), "a%2");
-        assert_eq!(percent_decode("%41%zz"), "A%zz");
-    }
-
-    #[test]
     fn what_each_mode_verifies() {
         assert_eq!(verification(SslMode::Prefer, true), Verify::Nothing);
         assert_eq!(verification(SslMode::Require, false), Verify::Nothing);
@@ -863,20 +816,45 @@ mod tests {
 
         use pgwire_replication::SslMode as P;
         let ca = Path::new("/ca.pem");
-        let t = |m, ca, host| postgres_replication_tls(m, ca, host);
-        assert_eq!(t(SslMode::Disable, None, Some("h")).mode, P::Disable);
-        assert_eq!(t(SslMode::Prefer, Some(ca), Some("h")).mode, P::Prefer);
-        assert_eq!(t(SslMode::Require, None, Some("h")).mode, P::Require);
-        assert_eq!(t(SslMode::Require, Some(ca), Some("h")).mode, P::VerifyCa);
-        assert_eq!(t(SslMode::VerifyFull, None, None).mode, P::Disable);
-        let full = t(SslMode::VerifyFull, Some(ca), Some("127.0.0.1"));
+        let tcp = |name: &str, addr: &str| PgTarget::Tcp {
+            name: name.into(),
+            addr: addr.into(),
+            port: 5432,
+        };
+        let h = tcp("h", "h");
+        let unix = PgTarget::Unix {
+            dir: "/run/postgresql".into(),
+            port: 5432,
+        };
+        let t = |m, ca, target: &PgTarget| postgres_replication_tls(m, ca, target).unwrap();
+        assert_eq!(t(SslMode::Disable, None, &h).mode, P::Disable);
+        assert_eq!(t(SslMode::Prefer, Some(ca), &h).mode, P::Prefer);
+        assert_eq!(t(SslMode::Require, None, &h).mode, P::Require);
+        assert_eq!(t(SslMode::Require, Some(ca), &h).mode, P::VerifyCa);
+        assert_eq!(t(SslMode::VerifyFull, Some(ca), &unix).mode, P::Disable);
+        let full = t(
+            SslMode::VerifyFull,
+            Some(ca),
+            &tcp("127.0.0.1", "127.0.0.1"),
+        );
         assert_eq!(full.mode, P::VerifyFull);
         assert_eq!(full.sni_hostname.as_deref(), Some("127.0.0.1"));
         assert_eq!(full.ca_pem_path.as_deref(), Some(ca));
-        assert_eq!(
-            t(SslMode::VerifyFull, None, Some("db.example")).sni_hostname,
-            None
+        // hostaddr: the name checked is the URL's host, not the address.
+        let by_addr = t(
+            SslMode::VerifyFull,
+            Some(ca),
+            &tcp("db.example", "10.1.2.3"),
         );
+        assert_eq!(by_addr.sni_hostname.as_deref(), Some("db.example"));
+        // Never the public roots: verifying without a CA file is an error,
+        // on the replication connection as on the SQL connection.
+        for mode in [SslMode::VerifyCa, SslMode::VerifyFull] {
+            let e = postgres_replication_tls(mode, None, &h).unwrap_err();
+            assert!(e.contains("postgres.ca_file"), "{e}");
+            let e = client_config(verification(mode, false), None).unwrap_err();
+            assert!(e.contains("postgres.ca_file"), "{e}");
+        }
     }
 
     #[test]

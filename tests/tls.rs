@@ -9,12 +9,10 @@
 //! (`integration/servers.sh install`), as the rest of the suite; it starts
 //! its own servers, so TEST_PG_URL / TEST_AMQP_URL are not used.
 
-use std::collections::HashMap;
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+#[path = "tls/support.rs"]
+mod support;
+
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -22,461 +20,9 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
-use outbox_relay::config::Config;
 use outbox_relay::lsn::Lsn;
 use outbox_relay::source::{connect_sql, start_replication};
-use tokio_postgres::{Client, NoTls};
-
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-
-const RELAY_PASSWORD: &str = "relay-pw";
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn pg_bin() -> PathBuf {
-    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server packages in /usr/lib/postgresql")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("bin/initdb").exists())
-        .collect();
-    versions.sort();
-    versions
-        .pop()
-        .expect("a PostgreSQL version with initdb")
-        .join("bin")
-}
-
-fn as_postgres(program: &Path) -> Command {
-    let mut c = Command::new("runuser");
-    c.args(["-u", "postgres", "--"]).arg(program);
-    c
-}
-
-/// A throwaway CA and a server certificate it signed, for `localhost` and
-/// 127.0.0.1, as ca.pem, server.pem and server.key.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-impl Pki {
-    fn new() -> Pki {
-        use rcgen::{
-            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-            KeyPair, KeyUsagePurpose,
-        };
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-tls-pki")
-            .tempdir()
-            .unwrap();
-        let ca_key = KeyPair::generate().unwrap();
-        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(DnType::CommonName, "outbox-relay test CA");
-        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let ca_cert = ca.self_signed(&ca_key).unwrap();
-        let issuer = Issuer::new(ca, ca_key);
-
-        let key = KeyPair::generate().unwrap();
-        let mut server =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
-        server
-            .distinguished_name
-            .push(DnType::CommonName, "localhost");
-        server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        let cert = server.signed_by(&key, &issuer).unwrap();
-
-        std::fs::write(dir.path().join("ca.pem"), ca_cert.pem()).unwrap();
-        std::fs::write(dir.path().join("server.pem"), cert.pem()).unwrap();
-        std::fs::write(dir.path().join("server.key"), key.serialize_pem()).unwrap();
-        Pki { dir }
-    }
-
-    fn ca(&self) -> PathBuf {
-        self.dir.path().join("ca.pem")
-    }
-}
-
-/// A scratch PostgreSQL run as the `postgres` OS user, with `wal_level =
-/// logical`, listening on 127.0.0.1 and 127.0.0.2 (an address the
-/// certificate does not name). With a [`Pki`]: `ssl = on` and only `hostssl`
-/// lines in pg_hba.conf; without: `ssl = off` and `host` lines. TCP logins
-/// need a password (role `relay`, superuser); the test itself uses the Unix
-/// socket.
-struct ScratchPg {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl ScratchPg {
-    fn start(pki: Option<&Pki>) -> ScratchPg {
-        let bin = pg_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-tls-pg")
-            .tempdir()
-            .unwrap();
-        let data = dir.path().join("data");
-        let port = free_port();
-        let mut conf = format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1,127.0.0.2'\n\
-             unix_socket_directories = '{}'\nwal_level = logical\nmax_wal_senders = 10\n\
-             max_replication_slots = 10\nfsync = off\nsynchronous_commit = off\n",
-            dir.path().display()
-        );
-        let hba_type = match pki {
-            Some(pki) => {
-                for f in ["server.pem", "server.key"] {
-                    std::fs::copy(pki.dir.path().join(f), dir.path().join(f)).unwrap();
-                }
-                conf += &format!(
-                    "ssl = on\nssl_cert_file = '{0}/server.pem'\nssl_key_file = '{0}/server.key'\n",
-                    dir.path().display()
-                );
-                "hostssl"
-            }
-            None => "host",
-        };
-        let ok = Command::new("chown")
-            .arg("-R")
-            .arg("postgres:postgres")
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(ok.success());
-        let key = dir.path().join("server.key");
-        if key.exists() {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-        }
-        let out = as_postgres(&bin.join("initdb"))
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
-            .arg(&data)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "initdb: {}", stderr(&out));
-        let conf_path = data.join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf_path).unwrap();
-        text += &conf;
-        std::fs::write(&conf_path, text).unwrap();
-        std::fs::write(
-            data.join("pg_hba.conf"),
-            format!(
-                "local all all trust\nlocal replication all trust\n\
-                 {hba_type} all all 127.0.0.0/8 scram-sha-256\n\
-                 {hba_type} replication all 127.0.0.0/8 scram-sha-256\n"
-            ),
-        )
-        .unwrap();
-        let out = as_postgres(&bin.join("pg_ctl"))
-            .args(["-w", "-D"])
-            .arg(&data)
-            .arg("-l")
-            .arg(dir.path().join("log"))
-            .arg("start")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "pg_ctl start: {}\n{}",
-            stderr(&out),
-            std::fs::read_to_string(dir.path().join("log")).unwrap_or_default()
-        );
-        ScratchPg { dir, port }
-    }
-
-    /// The relay's URL: password login over TCP to `host`.
-    fn url(&self, host: &str, query: &str) -> String {
-        format!(
-            "postgres://relay:{RELAY_PASSWORD}@{host}:{}/postgres{query}",
-            self.port
-        )
-    }
-
-    /// Superuser connection over the Unix socket (never TLS).
-    async fn admin(&self) -> Client {
-        let mut cfg = tokio_postgres::Config::new();
-        cfg.host_path(self.dir.path())
-            .port(self.port)
-            .user("postgres")
-            .dbname("postgres");
-        let (client, conn) = cfg.connect(NoTls).await.expect("scratch PostgreSQL");
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        client
-    }
-
-    /// The relay role and an outbox table.
-    async fn prepare(&self) -> Client {
-        let pg = self.admin().await;
-        pg.batch_execute(&format!(
-            "CREATE ROLE relay LOGIN SUPERUSER REPLICATION PASSWORD '{RELAY_PASSWORD}';"
-        ))
-        .await
-        .unwrap();
-        let ddl = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/sql/outbox.sql"))
-            .unwrap();
-        pg.batch_execute(&ddl).await.unwrap();
-        pg
-    }
-}
-
-impl Drop for ScratchPg {
-    fn drop(&mut self) {
-        let _ = as_postgres(&pg_bin().join("pg_ctl"))
-            .args(["-m", "immediate", "-D"])
-            .arg(self.dir.path().join("data"))
-            .arg("stop")
-            .output();
-    }
-}
-
-/// A private RabbitMQ node (and an unused PostgreSQL) from
-/// `integration/servers.sh up`, with an AMQPS listener using the [`Pki`]
-/// server certificate.
-struct TlsRabbit {
-    dir: PathBuf,
-    env: HashMap<String, String>,
-}
-
-impl TlsRabbit {
-    fn start(pki: &Pki) -> TlsRabbit {
-        let dir = std::env::temp_dir().join(format!(
-            "outbox-tls-rmq-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        ));
-        let out = Command::new("bash")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/integration/servers.sh"
-            ))
-            .arg("up")
-            .arg(&dir)
-            .env("OUTBOX_IT_RABBITMQ_TLS_DIR", pki.dir.path())
-            .output()
-            .unwrap();
-        let mut rabbit = TlsRabbit {
-            env: HashMap::new(),
-            dir,
-        };
-        assert!(out.status.success(), "servers.sh up: {}", stderr(&out));
-        let env = std::fs::read_to_string(rabbit.dir.join("env")).unwrap();
-        let env = env
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.replace('\\', "")))
-            .collect();
-        rabbit.env = env;
-        rabbit
-    }
-
-    fn var(&self, k: &str) -> &str {
-        self.env
-            .get(k)
-            .unwrap_or_else(|| panic!("{k} missing from {}/env", self.dir.display()))
-    }
-
-    /// `rabbitmqctl list_connections client_properties ssl`.
-    fn connections(&self) -> String {
-        let out = Command::new("bash")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/integration/servers.sh"
-            ))
-            .args([
-                "rabbitmq",
-                "ctl",
-                "list_connections",
-                "client_properties",
-                "ssl",
-            ])
-            .env("OUTBOX_IT_DIR", &self.dir)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "list_connections: {}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for TlsRabbit {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/integration/servers.sh"
-            ))
-            .arg("down")
-            .arg(&self.dir)
-            .output();
-    }
-}
-
-/// A relay config file.
-struct RelayConfig {
-    dir: tempfile::TempDir,
-    path: PathBuf,
-    slot: String,
-    publication: String,
-    exchange: String,
-}
-
-impl RelayConfig {
-    fn new(pg_url: &str, pg_extra: &str, amqp_url: &str, rabbitmq_extra: &str) -> RelayConfig {
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("relay.toml");
-        let c = RelayConfig {
-            path,
-            slot: format!("slot_tls_{n}"),
-            publication: format!("pub_tls_{n}"),
-            exchange: format!("ex_tls_{n}"),
-            dir,
-        };
-        c.write(pg_url, pg_extra, amqp_url, rabbitmq_extra);
-        c
-    }
-
-    fn write(&self, pg_url: &str, pg_extra: &str, amqp_url: &str, rabbitmq_extra: &str) {
-        let text = format!(
-            "[postgres]\nurl = \"{pg_url}\"\nslot = \"{}\"\npublication = \"{}\"\n\
-             status_interval_ms = 200\n{pg_extra}\n\
-             [outbox]\ntable = \"public.outbox\"\n\
-             [rabbitmq]\nurl = \"{amqp_url}\"\nexchange = \"{}\"\n{rabbitmq_extra}\n\
-             [http]\nlisten = \"127.0.0.1:0\"\n",
-            self.slot, self.publication, self.exchange
-        );
-        std::fs::write(&self.path, text).unwrap();
-    }
-
-    fn load(&self) -> Config {
-        Config::load(&self.path).unwrap()
-    }
-
-    fn cmd(&self, sub: &str) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
-        c.arg(sub).arg("--config").arg(&self.path);
-        c.env("OUTBOX_RELAY_LOG", "info,outbox_relay=debug");
-        // The environment must not override the file.
-        for (k, _) in std::env::vars() {
-            if k.starts_with("OUTBOX_RELAY_") && k != "OUTBOX_RELAY_LOG" {
-                c.env_remove(k);
-            }
-        }
-        c
-    }
-
-    fn spawn(&self) -> (Child, PathBuf) {
-        let log = self.dir.path().join(format!(
-            "relay-{}.log",
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        ));
-        let child = self
-            .cmd("run")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .spawn()
-            .unwrap();
-        (child, log)
-    }
-}
-
-fn wait_exit(child: &mut Child, within: Duration, log: &Path) -> std::process::ExitStatus {
-    let end = Instant::now() + within;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() >= end {
-            let _ = child.kill();
-            panic!(
-                "relay still running after {within:?}; log:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn stop(mut child: Child, log: &Path) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let status = wait_exit(&mut child, Duration::from_secs(30), log);
-    assert!(
-        status.success(),
-        "relay did not stop cleanly: {status}\n{}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-}
-
-/// `(pid, ssl)` of the walsenders of `outbox-relay` connections.
-async fn relay_walsenders(pg: &Client) -> Vec<(i32, bool)> {
-    pg.query(
-        "SELECT a.pid, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
-         WHERE a.backend_type = 'walsender' AND a.application_name = 'outbox-relay'",
-        &[],
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|r| (r.get(0), r.get(1)))
-    .collect()
-}
-
-/// Waits for one walsender of the relay; returns whether it runs over TLS.
-async fn walsender_ssl(pg: &Client, context: &str) -> bool {
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        let w = relay_walsenders(pg).await;
-        if let Some((pid, ssl)) = w.first() {
-            let again: bool = pg
-                .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = $1", &[pid])
-                .await
-                .unwrap()
-                .get(0);
-            assert_eq!(again, *ssl);
-            return *ssl;
-        }
-        assert!(
-            Instant::now() < end,
-            "no walsender for the relay: {context}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Backends of role `relay` (SQL connections and walsenders): `(count, all TLS)`.
-async fn relay_backends(pg: &Client) -> (i64, bool) {
-    let r = pg
-        .query_one(
-            "SELECT count(*), coalesce(bool_and(s.ssl), false) FROM pg_stat_activity a \
-             JOIN pg_stat_ssl s USING (pid) WHERE a.usename = 'relay'",
-            &[],
-        )
-        .await
-        .unwrap();
-    (r.get(0), r.get(1))
-}
-
-async fn wait_no_relay_backends(pg: &Client) {
-    let end = Instant::now() + Duration::from_secs(20);
-    while relay_backends(pg).await.0 > 0 {
-        assert!(Instant::now() < end, "relay backends did not go away");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+use support::*;
 
 /// `outbox-relay setup`, then `run` with sslmode=verify-full and the CA on
 /// both sides: an outbox row arrives over amqps, and PostgreSQL reports the
@@ -627,60 +173,6 @@ async fn relay_streams_over_tls_with_verify_full() {
     );
 }
 
-/// The publication and slot of `cfg`, as `setup` would make them.
-async fn publish(pg: &Client, cfg: &RelayConfig) {
-    pg.batch_execute(&format!(
-        "CREATE PUBLICATION {} FOR TABLE outbox",
-        cfg.publication
-    ))
-    .await
-    .unwrap();
-    pg.execute(
-        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&cfg.slot],
-    )
-    .await
-    .unwrap();
-}
-
-type ConnectErrors = (Option<(String, bool)>, Option<(String, bool)>);
-
-/// Opens the SQL and the replication connection with `url` and extra
-/// `[postgres]` keys: Ok(whether the walsender runs over TLS; all relay
-/// backends must agree), or `(message, transient)` of each failure.
-async fn both_connections(
-    cfg: &RelayConfig,
-    pg: &Client,
-    url: String,
-    pg_extra: String,
-) -> Result<bool, ConnectErrors> {
-    cfg.write(&url, &pg_extra, "amqp://guest:guest@127.0.0.1:1/%2f", "");
-    let c = cfg.load();
-    let sql = connect_sql(&c.postgres).await;
-    let repl = start_replication(&c.postgres, Lsn(0), 16).await;
-    let result = match (&sql, &repl) {
-        (Ok(_), Ok(_)) => {
-            let ssl = walsender_ssl(pg, &pg_extra).await;
-            let (n, all_tls) = relay_backends(pg).await;
-            assert_eq!(n, 2, "{pg_extra}");
-            assert_eq!(ssl, all_tls, "{pg_extra}");
-            Ok(ssl)
-        }
-        _ => Err((
-            sql.as_ref()
-                .err()
-                .map(|e| (e.to_string(), e.is_transient())),
-            repl.as_ref()
-                .err()
-                .map(|e| (e.to_string(), e.is_transient())),
-        )),
-    };
-    drop(repl);
-    drop(sql);
-    wait_no_relay_backends(pg).await;
-    result
-}
-
 /// Each sslmode against a server that accepts only TLS, on both the SQL
 /// connection and the replication connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -714,9 +206,10 @@ async fn postgres_sslmodes_against_a_tls_only_server() {
     );
     assert_eq!(both(by_name, String::new()).await, Ok(true));
 
-    // verify-full without a CA: the throwaway CA is not among the default
-    // roots. Both connections fail, permanently, naming what to set.
-    let (sql, repl) = both(local.clone(), "sslmode = \"verify-full\"".into())
+    // verify-full with the system's CA bundle (sslrootcert=system): the
+    // throwaway CA is not in it. Both connections fail, permanently, naming
+    // what to set.
+    let (sql, repl) = both(local.clone(), "ca_file = \"system\"".into())
         .await
         .unwrap_err();
     for (what, e) in [("SQL", sql), ("replication", repl)] {
@@ -734,6 +227,12 @@ async fn postgres_sslmodes_against_a_tls_only_server() {
         );
     }
     // ... and so does the binary.
+    cfg.write(
+        &server.url("127.0.0.1", "?sslrootcert=system"),
+        "",
+        amqp,
+        "",
+    );
     let out = cfg.cmd("setup").output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
@@ -742,8 +241,9 @@ async fn postgres_sslmodes_against_a_tls_only_server() {
         stderr(&out)
     );
 
-    // 127.0.0.2 is not in the certificate: verify-full refuses it,
-    // verify-ca does not check the name.
+    // 127.0.0.2 is not in the certificate: verify-full refuses it (and no
+    // longer suggests verify-ca as the cure), verify-ca does not check the
+    // name.
     let other = server.url("127.0.0.2", "");
     let (sql, repl) = both(
         other.clone(),
@@ -754,7 +254,9 @@ async fn postgres_sslmodes_against_a_tls_only_server() {
     for (what, e) in [("SQL", sql), ("replication", repl)] {
         let (msg, _) = e.unwrap_or_else(|| panic!("{what} connection succeeded"));
         assert!(
-            msg.contains("not for this host") && msg.contains("verify-ca"),
+            msg.contains("not for this host")
+                && msg.contains("hostaddr=")
+                && !msg.contains("verify-ca"),
             "{what}: {msg}"
         );
     }
@@ -834,4 +336,264 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
         );
         assert!(!e.is_transient(), "{what}: {msg}");
     }
+}
+
+/// An attacker in the middle with a certificate from a CA the system trusts
+/// (any public CA signs one for the attacker's own domain): the server here
+/// presents a certificate from a second, "public" CA, which `SSL_CERT_FILE`
+/// puts in the system's trust store. The relay is configured with its own
+/// CA: verify-ca and verify-full refuse the server on both connections.
+/// verify-ca without a CA file, and sslrootcert=system with a mode weaker
+/// than verify-full, are refused at start-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_from_another_trusted_ca_is_refused_on_both_connections() {
+    let own = Pki::new();
+    let public = Pki::new();
+    let server = ScratchPg::start(Some(&public));
+    let pg = server.prepare().await;
+    let amqp = "amqp://guest:guest@127.0.0.1:1/%2f";
+    let cfg = RelayConfig::new(&server.url("127.0.0.1", ""), "", amqp, "");
+    publish(&pg, &cfg).await;
+    let system = public.ca().display().to_string();
+    let env = [("SSL_CERT_FILE", system.as_str())];
+    let own_ca = own.ca().display().to_string();
+    let local = server.url("127.0.0.1", "");
+
+    // The public CA is in the trust store: verify-full against the system
+    // bundle accepts the server, on both connections.
+    let both = |url: String, extra: String| both_connections_with(&cfg, &pg, url, extra, &env);
+    assert_eq!(
+        both(
+            server.url("localhost", "?sslrootcert=system"),
+            String::new()
+        )
+        .await,
+        Ok(true)
+    );
+
+    // With the relay's own CA configured, that certificate is refused.
+    for mode in ["verify-ca", "verify-full"] {
+        let (sql, repl) = both(
+            local.clone(),
+            format!("sslmode = \"{mode}\"\nca_file = \"{own_ca}\""),
+        )
+        .await
+        .unwrap_err();
+        for (what, e) in [("SQL", sql), ("replication", repl)] {
+            let (msg, transient) =
+                e.unwrap_or_else(|| panic!("{mode}: the {what} connection was accepted"));
+            assert!(
+                msg.contains("certificate not trusted"),
+                "{mode} {what}: {msg}"
+            );
+            assert!(!transient, "{mode} {what}: {msg}");
+        }
+    }
+
+    // No CA file: verify-ca and verify-full do not start (they trusted every
+    // public CA before), whether the mode comes from the file or the URL.
+    for (url, extra) in [
+        (local.clone(), "sslmode = \"verify-ca\"".to_owned()),
+        (local.clone(), "sslmode = \"verify-full\"".to_owned()),
+        (server.url("127.0.0.1", "?sslmode=verify-ca"), String::new()),
+    ] {
+        cfg.write(&url, &extra, amqp, "");
+        let err = cfg.load_with(&env).unwrap_err();
+        assert!(err.contains("postgres.ca_file"), "{extra} {url}: {err}");
+        let out = cfg
+            .cmd("run")
+            .env("SSL_CERT_FILE", &system)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("postgres.ca_file"),
+            "{}",
+            stderr(&out)
+        );
+    }
+
+    // sslrootcert=system with require would encrypt to anyone: refused.
+    cfg.write(
+        &server.url("localhost", "?sslrootcert=system&sslmode=require"),
+        "",
+        amqp,
+        "",
+    );
+    let err = cfg.load_with(&env).unwrap_err();
+    assert!(
+        err.contains("postgres.sslmode") && err.contains("verify-full"),
+        "{err}"
+    );
+    let out = cfg
+        .cmd("run")
+        .env("SSL_CERT_FILE", &system)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("postgres.sslmode"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// `hostaddr` says where to connect, the host name what the certificate
+/// must name: both connections go to the hostaddr. The server listens on
+/// 127.0.0.2 only, and a decoy that never answers listens where `localhost`
+/// leads (127.0.0.1, same port): nothing may reach it. A URL that could
+/// send the two connections to different servers is refused at start-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostaddr_reaches_the_same_server_on_both_connections() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let pki = Pki::new();
+    let server = ScratchPg::start_on(Some(&pki), "127.0.0.2");
+    let pg = server.prepare().await;
+    let decoy = tokio::net::TcpListener::bind(("127.0.0.1", server.port))
+        .await
+        .unwrap();
+    let reached = Arc::new(AtomicUsize::new(0));
+    let counter = reached.clone();
+    let decoy_task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = decoy.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            held.push(socket);
+        }
+    });
+    let amqp = "amqp://guest:guest@127.0.0.1:1/%2f";
+    let url = server.url("localhost", "?hostaddr=127.0.0.2");
+    let cfg = RelayConfig::new(&url, "", amqp, "");
+    publish(&pg, &cfg).await;
+    let ca = pki.ca().display().to_string();
+    assert_eq!(
+        both_connections(
+            &cfg,
+            &pg,
+            url.clone(),
+            format!("sslmode = \"verify-full\"\nca_file = \"{ca}\"")
+        )
+        .await,
+        Ok(true)
+    );
+    assert_eq!(
+        reached.load(Ordering::SeqCst),
+        0,
+        "a connection went to the decoy at localhost"
+    );
+    decoy_task.abort();
+
+    for (bad, why) in [
+        (
+            format!(
+                "postgres://relay:{RELAY_PASSWORD}@127.0.0.2:{0},localhost:{0}/postgres",
+                server.port
+            ),
+            "hosts",
+        ),
+        (
+            format!(
+                "postgres://relay:{RELAY_PASSWORD}@:{}/postgres",
+                server.port
+            ),
+            "no host",
+        ),
+    ] {
+        cfg.write(&bad, "", amqp, "");
+        let out = cfg.cmd("run").output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{bad}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("postgres.url") && err.contains(why),
+            "{bad}: {err}"
+        );
+        assert!(!err.contains(RELAY_PASSWORD), "password leaked: {err}");
+    }
+}
+
+/// `rabbitmq.ca_file` pins the broker: the broker's certificate here chains
+/// to a CA the system trusts (`SSL_CERT_FILE`), so without `ca_file` the
+/// relay and `check` accept it, and with the relay's own CA configured both
+/// refuse it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_ca_file_replaces_the_public_roots() {
+    let own = Pki::new();
+    let public = Pki::new();
+    let rabbit = TlsRabbit::start(&public);
+    let pg_server = ScratchPg::start(None);
+    let pg = pg_server.prepare().await;
+    let amqps = rabbit.var("TEST_AMQPS_URL").to_owned();
+    let system = public.ca().display().to_string();
+    let own_ca = format!("ca_file = \"{}\"", own.ca().display());
+    let cfg = RelayConfig::new(&pg_server.url("127.0.0.1", ""), "", &amqps, "");
+    let out = cfg.cmd("setup").output().unwrap();
+    assert!(out.status.success(), "setup: {}", stderr(&out));
+
+    // check (lapin): the system's CAs without ca_file, only ca_file with it.
+    let check = |extra: &str| {
+        cfg.write(&pg_server.url("127.0.0.1", ""), "", &amqps, extra);
+        let out = cfg
+            .cmd("check")
+            .env("SSL_CERT_FILE", &system)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout
+            .lines()
+            .find(|l| l.contains("RabbitMQ reachable"))
+            .unwrap_or_else(|| panic!("no broker line in\n{stdout}"))
+            .to_owned()
+    };
+    let line = check("");
+    assert!(line.starts_with("ok "), "{line}");
+    let line = check(&own_ca);
+    assert!(
+        line.starts_with("FAIL ") && line.contains("not trusted"),
+        "{line}"
+    );
+
+    // run (the relay's own client): refused with ca_file, at once.
+    cfg.write(&pg_server.url("127.0.0.1", ""), "", &amqps, &own_ca);
+    let (mut relay, log) = cfg.spawn_with(&[("SSL_CERT_FILE", &system)]);
+    let status = wait_exit(&mut relay, Duration::from_secs(60), &log);
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("rabbitmq.ca_file") && err.contains("not trusted"),
+        "{err}"
+    );
+
+    // ... and accepted through the system's CAs without it: it streams.
+    let amqp = Connection::connect(rabbit.var("TEST_AMQP_URL"), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = amqp.create_channel().await.unwrap();
+    ch.exchange_declare(
+        cfg.exchange.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    cfg.write(&pg_server.url("127.0.0.1", ""), "", &amqps, "");
+    let (relay, log) = cfg.spawn_with(&[("SSL_CERT_FILE", &system)]);
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let conns = rabbit.connections();
+        if let Some(l) = conns.lines().find(|l| l.contains("outbox-relay")) {
+            assert!(l.trim_end().ends_with("true"), "not TLS: {l}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "the relay did not connect over amqps; log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop(relay, &log);
+    drop(pg);
 }

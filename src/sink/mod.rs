@@ -135,11 +135,18 @@ impl AmqpSink {
             .expose()
             .parse()
             .map_err(|e: String| amqp("parsing rabbitmq.url", WireError::Unsupported(e)))?;
-        let tls = tls::rabbitmq_client_config(cfg.ca_file.as_deref())
-            .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?;
+        // `ca_file` is set for every amqps:// URL (the configured CA, or
+        // the system bundle), and trusted alone.
+        let tls = match cfg.ca_file.as_deref() {
+            Some(roots) => Some(
+                tls::rabbitmq_client_config(roots)
+                    .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?,
+            ),
+            None => None,
+        };
         let target = Target {
             uri,
-            tls: Some(tls),
+            tls,
             connection_name: "outbox-relay".into(),
         };
         let what = "connecting to RabbitMQ";

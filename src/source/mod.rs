@@ -7,10 +7,10 @@ pub mod slot;
 use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
-use tokio_postgres::config::Host;
 
 use crate::config::{PostgresConfig, redact_url};
 use crate::lsn::Lsn;
+use crate::pgurl::{PgTarget, split_pg_url};
 use crate::tls::{self, TlsFailure};
 
 /// What went wrong on the PostgreSQL side.
@@ -98,7 +98,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
     let url = cfg.url.expose();
     // The URL was validated with the same split when the config was loaded.
-    let mut pg: tokio_postgres::Config = tls::split_pg_url(url).url.parse().map_err(|e| {
+    // The URL was checked to name exactly `cfg.target` when the config was
+    // loaded: the replication connection reaches the same server.
+    let mut pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
         SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
     })?;
     let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
@@ -154,7 +156,7 @@ pub async fn start_replication(
     buffer_events: usize,
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
-    let pg: tokio_postgres::Config = tls::split_pg_url(url).url.parse().map_err(|e| {
+    let pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
         SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
     })?;
     let user = pg.get_user().unwrap_or("postgres").to_owned();
@@ -163,43 +165,27 @@ pub async fn start_replication(
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = pg.get_dbname().unwrap_or(&user).to_owned();
-    let port = pg.get_ports().first().copied().unwrap_or(5432);
-    let tls_host = match pg.get_hosts().first() {
-        Some(Host::Tcp(host)) => Some(host.as_str()),
-        Some(Host::Unix(_)) => None,
-        None => Some("localhost"),
-    };
     let tls_config =
-        tls::postgres_replication_tls_for(cfg.sslmode, cfg.ca_file.as_deref(), tls_host, port)
-            .await;
-    let base = match pg.get_hosts().first() {
-        Some(Host::Unix(dir)) => ReplicationConfig::unix(
+        tls::postgres_replication_tls_for(cfg.sslmode, cfg.ca_file.as_deref(), &cfg.target)
+            .await
+            .map_err(SourceError::Setup)?;
+    // The same server as the SQL connection: `hostaddr` when the URL gives
+    // one (the name is still what the certificate is checked against).
+    let (slot, publication) = (cfg.slot.clone(), cfg.publication.clone());
+    let base = match &cfg.target {
+        PgTarget::Unix { dir, port } => ReplicationConfig::unix(
             dir.display().to_string(),
-            port,
+            *port,
             user,
             password,
             database,
-            cfg.slot.clone(),
-            cfg.publication.clone(),
+            slot,
+            publication,
         ),
-        Some(Host::Tcp(host)) => ReplicationConfig::new(
-            host.clone(),
-            user,
-            password,
-            database,
-            cfg.slot.clone(),
-            cfg.publication.clone(),
-        )
-        .with_port(port),
-        None => ReplicationConfig::new(
-            "localhost",
-            user,
-            password,
-            database,
-            cfg.slot.clone(),
-            cfg.publication.clone(),
-        )
-        .with_port(port),
+        PgTarget::Tcp { addr, port, .. } => {
+            ReplicationConfig::new(addr.clone(), user, password, database, slot, publication)
+                .with_port(*port)
+        }
     };
     let rc = base
         .with_tls(tls_config)
