@@ -94,28 +94,8 @@ impl fmt::Debug for Secret {
     }
 }
 
-/// Masks the password of a `scheme://user:password@host/...` URL so the URL
-/// can be logged.
-pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    match authority.rfind('@') {
-        Some(at) => match authority[..at].find(':') {
-            Some(colon) => format!(
-                "{}://{}:****{}",
-                &url[..scheme_end],
-                &authority[..colon],
-                &rest[at..]
-            ),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
-}
+use crate::redact::query_has_password;
+pub use crate::redact::redact_url;
 
 // ---------------------------------------------------------------- raw layer
 
@@ -456,7 +436,7 @@ impl Config {
             text.parse()
                 .map_err(|e: toml::de::Error| ConfigError::Syntax {
                     path: origin.to_owned(),
-                    message: e.to_string(),
+                    message: syntax_message(text, &e),
                 })?;
         let env: Vec<(String, String)> = env.into_iter().collect();
         // Where OpenSSL (and libpq's sslrootcert=system) finds the system's
@@ -473,6 +453,20 @@ impl Config {
                 key_err(&key, message)
             })?;
         raw.validate(ssl_cert_file.as_deref())
+    }
+}
+
+/// The parser's message with the line and column, but not the line
+/// itself, which may hold a password.
+fn syntax_message(text: &str, e: &toml::de::Error) -> String {
+    match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            format!("line {line}, column {column}: {}", e.message().trim_end())
+        }
+        None => e.message().trim_end().to_owned(),
     }
 }
 
@@ -510,9 +504,11 @@ fn apply_env(
 impl RawConfig {
     fn validate(self, ssl_cert_file: Option<&str>) -> Result<Config, ConfigError> {
         let mut p = self.postgres;
-        if let Some(file) = non_empty(p.password_file.take()) {
-            p.url = with_password_file(&p.url, "postgres.password_file", &file)?;
+        let pg_password_file = non_empty(p.password_file.take());
+        if let Some(file) = &pg_password_file {
+            p.url = with_password_file(&p.url, "postgres.password_file", file)?;
         }
+        let pg_password_file = pg_password_file.is_some();
         if !(p.url.starts_with("postgres://") || p.url.starts_with("postgresql://")) {
             return Err(key_err(
                 "postgres.url",
@@ -527,6 +523,14 @@ impl RawConfig {
             .parse::<tokio_postgres::Config>()
             .map_err(|e| key_err("postgres.url", format!("not a valid PostgreSQL URL: {e}")))?;
         let target = PgTarget::of(&parsed).map_err(|e| key_err("postgres.url", e))?;
+        PgTarget::check_parameters(&parsed).map_err(|e| key_err("postgres.url", e))?;
+        if pg_password_file && query_has_password(&url_tls.url) {
+            return Err(key_err(
+                "postgres.url",
+                "has a password= parameter, which would win over postgres.password_file; \
+                 remove it",
+            ));
+        }
         let explicit_mode = match (non_empty(p.sslmode), url_tls.sslmode) {
             (Some(s), _) => Some(SslMode::parse(&s).ok_or_else(|| {
                 key_err(
@@ -808,6 +812,12 @@ fn postgres_trust(
     ssl_cert_file: Option<&str>,
 ) -> Result<(SslMode, Option<PathBuf>), ConfigError> {
     let (key, root) = match (ca_file, sslrootcert) {
+        (Some(f), Some(u)) if u == "system" && f != "system" => {
+            return Err(key_err(
+                "postgres.ca_file",
+                "is set, and postgres.url says sslrootcert=system: keep one of the two",
+            ));
+        }
         (Some(f), _) => ("postgres.ca_file", Some(f)),
         (None, Some(f)) => ("postgres.url", Some(f)),
         (None, None) => ("postgres.ca_file", None),
@@ -1317,11 +1327,44 @@ listen = "127.0.0.1:9187"
         let c = load(MINIMAL, &[]).unwrap();
         let shown = format!("{c:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
-        assert_eq!(
-            redact_url("postgres://relay:s3cret@127.0.0.1:5432/app"),
-            "postgres://relay:****@127.0.0.1:5432/app"
+        assert!(!format!("{:?}", c.rabbitmq).contains("guest:guest"));
+    }
+
+    /// A TOML error names the line and column, not the line's text: the
+    /// line may hold a password.
+    #[test]
+    fn syntax_errors_do_not_echo_the_line() {
+        let text = MINIMAL.replace(
+            "url = \"postgres://relay:s3cret@127.0.0.1:5432/app\"",
+            "url = \"postgres://relay:s3cret@127.0.0.1:5432/app",
         );
-        assert_eq!(redact_url("amqp://127.0.0.1/%2f"), "amqp://127.0.0.1/%2f");
-        assert_eq!(redact_url("amqp://u:p@ss@h/v?x=1"), "amqp://u:****@h/v?x=1");
+        let err = load(&text, &[]).unwrap_err().to_string();
+        assert!(!err.contains("s3cret"), "{err}");
+        assert!(err.contains("line 3"), "{err}");
+    }
+
+    /// `password=` in the query would silently win over the password file.
+    #[test]
+    fn a_query_password_beside_password_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        std::fs::write(&f, "from-file\n").unwrap();
+        let f = f.display().to_string();
+        let env = [
+            (
+                "OUTBOX_RELAY_POSTGRES_URL",
+                "postgres://relay@db/app?password=other",
+            ),
+            ("OUTBOX_RELAY_POSTGRES_PASSWORD_FILE", f.as_str()),
+        ];
+        let err = load(MINIMAL, &env).unwrap_err().to_string();
+        assert!(
+            err.contains("postgres.url") && err.contains("password_file"),
+            "{err}"
+        );
+        assert!(
+            !err.contains("other") && !err.contains("from-file"),
+            "{err}"
+        );
     }
 }

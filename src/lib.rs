@@ -19,7 +19,7 @@
 //! | re-publishing from the table | [`recover`] |
 //! | operator commands, preflight | [`cli`], [`check`] |
 //! | metrics, health | [`metrics`], [`http`] |
-//! | configuration, TLS, PostgreSQL URLs | [`config`], [`tls`], [`pgurl`] |
+//! | configuration, TLS, PostgreSQL URLs, masking secrets | [`config`], [`tls`], [`pgurl`], [`redact`] |
 //!
 //! # LSN invariants
 //!
@@ -49,6 +49,7 @@ pub mod outbox;
 pub mod pgoutput;
 pub mod pgurl;
 pub mod recover;
+pub mod redact;
 pub mod relay;
 pub mod sink;
 pub mod source;

@@ -28,15 +28,29 @@ pub struct PgUrl {
     pub sslrootcert: Option<String>,
 }
 
+/// Where the query string of a `postgres://` URL starts, found as
+/// tokio-postgres finds it: the user and password run to the first `@`
+/// (so a `?` inside an unencoded password is not the query), the host to
+/// the next `/` or `?`, the path to the next `?`.
+fn query_start(url: &str) -> Option<usize> {
+    let after_scheme = url.find("://")? + 3;
+    let rest = &url[after_scheme..];
+    let host_start = rest.find('@').map_or(0, |at| at + 1);
+    rest[host_start..]
+        .find('?')
+        .map(|q| after_scheme + host_start + q)
+}
+
 /// Splits `sslmode` and `sslrootcert` out of the URL's query string.
 pub fn split_pg_url(url: &str) -> PgUrl {
-    let Some((base, query)) = url.split_once('?') else {
+    let Some(q) = query_start(url) else {
         return PgUrl {
             url: url.to_owned(),
             sslmode: None,
             sslrootcert: None,
         };
     };
+    let (base, query) = (&url[..q], &url[q + 1..]);
     let (mut sslmode, mut sslrootcert) = (None, None);
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -141,6 +155,44 @@ impl PgTarget {
         }
     }
 
+    /// Refuses connection parameters that tokio-postgres honours on the SQL
+    /// connection but pgwire-replication cannot on the replication
+    /// connection, so that the two are never held to different rules (the
+    /// replication connection would, for example, answer a cleartext
+    /// password request that `channel_binding=require` forbids).
+    pub fn check_parameters(pg: &tokio_postgres::Config) -> Result<(), String> {
+        use tokio_postgres::config::{ChannelBinding, LoadBalanceHosts, TargetSessionAttrs};
+        if pg.get_channel_binding() == ChannelBinding::Require {
+            return Err(
+                "sets channel_binding=require, which the replication connection cannot \
+                 honour; authenticate the server with sslmode = \"verify-full\" instead"
+                    .to_owned(),
+            );
+        }
+        if pg.get_target_session_attrs() != TargetSessionAttrs::Any {
+            return Err(
+                "sets target_session_attrs, which the replication connection does not \
+                 honour yet; remove it"
+                    .to_owned(),
+            );
+        }
+        if pg.get_load_balance_hosts() != LoadBalanceHosts::Disable {
+            return Err(
+                "sets load_balance_hosts, which could send the two connections to \
+                 different servers; remove it"
+                    .to_owned(),
+            );
+        }
+        if pg.get_ssl_negotiation() != tokio_postgres::config::SslNegotiation::Postgres {
+            return Err(
+                "sets sslnegotiation=direct, which the replication connection does not \
+                 support; remove it"
+                    .to_owned(),
+            );
+        }
+        Ok(())
+    }
+
     /// The target of a URL (with or without libpq's TLS parameters).
     pub fn of_url(url: &str) -> Result<PgTarget, String> {
         let pg: tokio_postgres::Config = split_pg_url(url)
@@ -168,6 +220,14 @@ mod tests {
         assert_eq!(u.url, "postgres://db/app");
         assert_eq!(u.sslmode.as_deref(), Some("require"));
         assert_eq!(u.sslrootcert, None);
+
+        // A `?` in an unencoded password is not the query (tokio-postgres
+        // reads the credentials up to the first `@`).
+        let u = split_pg_url("postgres://relay:ab?cd@db/app?sslmode=require");
+        assert_eq!(u.sslmode.as_deref(), Some("require"));
+        assert_eq!(u.url, "postgres://relay:ab?cd@db/app");
+        let pg: tokio_postgres::Config = u.url.parse().unwrap();
+        assert_eq!(pg.get_password(), Some(&b"ab?cd"[..]));
 
         let u = split_pg_url("postgres://db/app");
         assert_eq!(u.url, "postgres://db/app");
@@ -215,6 +275,18 @@ mod tests {
             assert!(t(bad).is_err(), "{bad} was accepted");
         }
         assert!(t("postgres:///app").unwrap_err().contains("no host"));
+        for (q, refused) in [
+            ("channel_binding=require", true),
+            ("channel_binding=prefer", false),
+            ("target_session_attrs=read-write", true),
+            ("target_session_attrs=any", false),
+            ("load_balance_hosts=random", true),
+            ("sslnegotiation=direct", true),
+            ("application_name=x", false),
+        ] {
+            let pg: tokio_postgres::Config = format!("postgres://u@h/db?{q}").parse().unwrap();
+            assert_eq!(PgTarget::check_parameters(&pg).is_err(), refused, "{q}");
+        }
         assert!(t("postgres://u@h1,h2/app").unwrap_err().contains("2 hosts"));
     }
 }

@@ -569,6 +569,13 @@ pub fn postgres_replication_tls(
 
 // -------------------------------------------------------------- RabbitMQ
 
+// lapin opens amqps:// URLs in plaintext when its TLS is not compiled in
+// (no root-set feature, no `rustls-common`): this name exists only with it,
+// so dropping the feature from Cargo.toml is a compile error, not a silent
+// downgrade.
+#[allow(unused_imports)]
+use amq_protocol_tcp::RustlsConnectorConfig as _;
+
 /// lapin's TLS settings, for `check`: the certificates of `roots` (the CA
 /// file, or the system bundle) and nothing else. lapin is built without a
 /// bundled root set, so these are all it trusts.

@@ -371,6 +371,21 @@ async fn a_certificate_from_another_trusted_ca_is_refused_on_both_connections() 
         Ok(true)
     );
 
+    // sslrootcert=system means verify-full (it used to mean prefer): the
+    // public certificate does not name 127.0.0.2, so both connections
+    // refuse it.
+    let (sql, repl) = both(
+        server.url("127.0.0.2", "?sslrootcert=system"),
+        String::new(),
+    )
+    .await
+    .unwrap_err();
+    for (what, e) in [("SQL", sql), ("replication", repl)] {
+        let (msg, _) =
+            e.unwrap_or_else(|| panic!("system roots: the {what} connection was accepted"));
+        assert!(msg.contains("not for this host"), "{what}: {msg}");
+    }
+
     // With the relay's own CA configured, that certificate is refused.
     for mode in ["verify-ca", "verify-full"] {
         let (sql, repl) = both(
@@ -478,6 +493,18 @@ async fn hostaddr_reaches_the_same_server_on_both_connections() {
         .await,
         Ok(true)
     );
+    // verify-ca: the probe that reads the certificate's names goes to the
+    // hostaddr too.
+    assert_eq!(
+        both_connections(
+            &cfg,
+            &pg,
+            url.clone(),
+            format!("sslmode = \"verify-ca\"\nca_file = \"{ca}\"")
+        )
+        .await,
+        Ok(true)
+    );
     assert_eq!(
         reached.load(Ordering::SeqCst),
         0,
@@ -553,6 +580,33 @@ async fn rabbitmq_ca_file_replaces_the_public_roots() {
         line.starts_with("FAIL ") && line.contains("not trusted"),
         "{line}"
     );
+
+    // lapin itself, with the roots `check` hands it (the relay's own
+    // handshake runs first in `check`, so test lapin on its own): the own
+    // CA alone refuses the broker, the system's CA accepts it.
+    let lapin_with = |roots: String| {
+        let url = amqps.clone();
+        async move {
+            let tls = outbox_relay::tls::rabbitmq_tls(std::path::Path::new(&roots)).unwrap();
+            let builder = lapin::DefaultConnectionBuilder::new()
+                .unwrap()
+                .with_uri_str(url)
+                .with_tls_config(tls);
+            let connect = builder.connect();
+            tokio::time::timeout(Duration::from_secs(20), connect)
+                .await
+                .expect("lapin got no answer")
+        }
+    };
+    let own_path = own.ca().display().to_string();
+    assert!(
+        lapin_with(own_path).await.is_err(),
+        "lapin accepted the broker"
+    );
+    let conn = lapin_with(system.clone())
+        .await
+        .expect("lapin with the system CA");
+    let _ = conn.close(200, "ok".into()).await;
 
     // run (the relay's own client): refused with ca_file, at once.
     cfg.write(&pg_server.url("127.0.0.1", ""), "", &amqps, &own_ca);
