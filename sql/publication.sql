@@ -11,4 +11,7 @@
 --   psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f sql/publication.sql
 -- `outbox-relay setup` does the same; run this instead when the relay's
 -- role must not own the table.
-CREATE PUBLICATION outbox_pub FOR TABLE outbox WITH (publish = 'insert');
+-- publish_via_partition_root: a partitioned outbox's rows arrive as rows of
+-- the outbox table itself, whichever partition holds them.
+CREATE PUBLICATION outbox_pub FOR TABLE outbox
+  WITH (publish = 'insert', publish_via_partition_root = true);

@@ -528,7 +528,7 @@ async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckEr
     let pub_q = quote_ident(&pg.publication);
     let Some(row) = client
         .query_opt(
-            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
             &[&pg.publication],
         )
         .await?
@@ -537,12 +537,14 @@ async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckEr
             what,
             format!(
                 "does not exist (postgres.publication): run `outbox-relay setup`, or \
-                 CREATE PUBLICATION {pub_q} FOR TABLE {} WITH (publish = 'insert')",
+                 CREATE PUBLICATION {pub_q} FOR TABLE {} \
+                 WITH (publish = 'insert', publish_via_partition_root = true)",
                 t.quoted()
             ),
         )]);
     };
     let inserts: bool = row.get(0);
+    let via_root: bool = row.get(1);
     let version: i32 = client
         .query_one("SELECT current_setting('server_version_num')::int", &[])
         .await?
@@ -581,7 +583,12 @@ async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckEr
             "does not publish inserts: ALTER PUBLICATION {pub_q} SET (publish = 'insert')"
         ));
     }
+    let partitioned = matches!(&table, Some((kind, _)) if kind == "p");
     match (&covered, &table) {
+        (None, Some(_)) if partitioned && !via_root => problems.push(format!(
+            "publishes the partitions of {t} under their own names: \
+             ALTER PUBLICATION {pub_q} SET (publish_via_partition_root = true)"
+        )),
         (None, None) => problems.push(format!(
             "does not cover {t}, which does not exist (see the outbox table check)"
         )),
@@ -626,7 +633,15 @@ async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckEr
         }
     }
     if problems.is_empty() {
-        lines.insert(0, Line::ok(what, format!("publishes inserts into {t}")));
+        let via = if partitioned {
+            " (partitioned, via its root)"
+        } else {
+            ""
+        };
+        lines.insert(
+            0,
+            Line::ok(what, format!("publishes inserts into {t}{via}")),
+        );
     } else {
         lines.insert(0, Line::fail(what, problems.join("; ")));
     }
@@ -716,8 +731,13 @@ async fn outbox_table(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckE
         Some(c) => found.push(format!("{} {}", c.name, c.type_name)),
     }
 
+    let partitioned = if kind == "p" {
+        "partitioned (its partitions' rows are relayed as the table's); "
+    } else {
+        ""
+    };
     let mut lines = vec![if problems.is_empty() {
-        Line::ok(what, format!("columns {}", found.join(", ")))
+        Line::ok(what, format!("{partitioned}columns {}", found.join(", ")))
     } else {
         Line::fail(
             what,
@@ -749,6 +769,16 @@ async fn replication_slot(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
                 "uses plugin {:?}, not pgoutput: drop it (SELECT pg_drop_replication_slot('{name}')) \
                  and run `outbox-relay setup`, or choose another postgres.slot",
                 info.plugin.unwrap_or_default()
+            ),
+        )]);
+    }
+    if info.two_phase {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "was created with two-phase decoding, which streams prepared transactions before \
+                 they commit: drop it (SELECT pg_drop_replication_slot('{name}')) and run \
+                 `outbox-relay setup`"
             ),
         )]);
     }

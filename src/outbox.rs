@@ -215,6 +215,35 @@ pub enum StreamError {
     /// A change outside BEGIN/COMMIT.
     #[error("pgoutput change outside a transaction")]
     OutsideTransaction,
+    /// An INSERT into a table that is neither the outbox nor one of its
+    /// partitions: the publication publishes more than the outbox. Never
+    /// skipped, since the slot would move past it.
+    #[error(
+        "INSERT into {table} (relation {oid}), which is not the outbox table {outbox} nor one of \
+         its partitions, arrived through the publication (postgres.publication); stopping rather \
+         than skipping it. Publish only the outbox (ALTER PUBLICATION ... SET TABLE {outbox}); \
+         if {table} is a partition attached since the relay started, restart it, or set \
+         publish_via_partition_root = true on the publication"
+    )]
+    ForeignRelation {
+        /// The table as the Relation message named it.
+        table: String,
+        /// Its relation id.
+        oid: u32,
+        /// The configured outbox table.
+        outbox: String,
+    },
+}
+
+/// The relations that are the outbox, resolved when a session starts: the
+/// table's OID and those of its partitions (a partitioned outbox published
+/// without `publish_via_partition_root` sends each partition's own id).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutboxOids {
+    /// The outbox table (the partition root when it is partitioned).
+    pub root: u32,
+    /// Its partitions, at every level.
+    pub partitions: Vec<u32>,
 }
 
 /// The relation cache and the transaction state of one replication session.
@@ -223,8 +252,10 @@ pub struct OutboxDecoder {
     table: TableName,
     columns: OutboxColumns,
     rabbitmq: RabbitmqConfig,
-    /// Relation id -> mapping when it is the outbox table, `None` otherwise.
-    relations: HashMap<u32, Option<Result<Arc<Mapping>, MappingError>>>,
+    /// Which relation ids are the outbox.
+    oids: OutboxOids,
+    /// Relation id -> mapping when it is the outbox table, else its name.
+    relations: HashMap<u32, Result<Result<Arc<Mapping>, MappingError>, String>>,
     /// Commit time of the open transaction (µs since the Unix epoch).
     open_tx: Option<i64>,
 }
@@ -235,14 +266,34 @@ pub const PG_EPOCH_OFFSET_US: i64 = 946_684_800_000_000;
 impl OutboxDecoder {
     /// A decoder for a new session: the relation cache starts empty, as the
     /// server re-sends Relation messages on every new stream.
-    pub fn new(outbox: &OutboxConfig, rabbitmq: &RabbitmqConfig) -> Self {
+    pub fn new(outbox: &OutboxConfig, rabbitmq: &RabbitmqConfig, oids: OutboxOids) -> Self {
         OutboxDecoder {
+            oids,
             table: outbox.table.clone(),
             columns: outbox.columns.clone(),
             rabbitmq: rabbitmq.clone(),
             relations: HashMap::new(),
             open_tx: None,
         }
+    }
+
+    /// Whether a Relation message describes the outbox: by relation id (the
+    /// table, followed through a RENAME while streaming, or one of its
+    /// partitions), or by the name it had when the change was written
+    /// (pgoutput names relations as of the WAL being decoded, so rows
+    /// written before a rename or a re-creation still count).
+    fn is_outbox(&self, rel: &Relation) -> bool {
+        let by_name = rel.namespace == self.table.schema && rel.name == self.table.name;
+        let by_oid = rel.id == self.oids.root || self.oids.partitions.contains(&rel.id);
+        if by_oid && !by_name && rel.id == self.oids.root {
+            tracing::warn!(
+                table = %format!("{}.{}", rel.namespace, rel.name),
+                configured = %self.table,
+                "the outbox table was renamed; following it by its relation id (update outbox.table \
+                 before the next restart)"
+            );
+        }
+        by_name || by_oid
     }
 
     /// BEGIN, with the commit time in PostgreSQL's epoch as pgoutput sends it.
@@ -260,11 +311,15 @@ impl OutboxDecoder {
     pub fn decode(&mut self, data: Bytes) -> Result<Decoded, StreamError> {
         match crate::pgoutput::decode(data)? {
             LogicalMessage::Relation(rel) => {
-                let entry = (rel.namespace == self.table.schema && rel.name == self.table.name)
-                    .then(|| Mapping::new(&rel, &self.columns, &self.rabbitmq).map(Arc::new));
-                if let Some(Err(e)) = &entry {
-                    tracing::error!(error = %e, "outbox relation does not match the configuration");
-                }
+                let entry = if self.is_outbox(&rel) {
+                    let mapping = Mapping::new(&rel, &self.columns, &self.rabbitmq).map(Arc::new);
+                    if let Err(e) = &mapping {
+                        tracing::error!(error = %e, "outbox relation does not match the configuration");
+                    }
+                    Ok(mapping)
+                } else {
+                    Err(format!("{}.{}", rel.namespace, rel.name))
+                };
                 self.relations.insert(rel.id, entry);
                 Ok(Decoded::Nothing)
             }
@@ -272,8 +327,12 @@ impl OutboxDecoder {
                 let commit_time_us = self.open_tx.ok_or(StreamError::OutsideTransaction)?;
                 match self.relations.get(&ins.relation_id) {
                     None => Err(StreamError::UnknownRelation(ins.relation_id)),
-                    Some(None) => Ok(Decoded::Nothing),
-                    Some(Some(mapping)) => Ok(Decoded::Event(OutboxEvent {
+                    Some(Err(table)) => Err(StreamError::ForeignRelation {
+                        table: table.clone(),
+                        oid: ins.relation_id,
+                        outbox: self.table.to_string(),
+                    }),
+                    Some(Ok(mapping)) => Ok(Decoded::Event(OutboxEvent {
                         tuple: ins.tuple,
                         mapping: mapping.clone(),
                         commit_time_us,

@@ -34,7 +34,7 @@ use crate::outbox::{Decoded, OutboxDecoder, PG_EPOCH_OFFSET_US};
 use crate::sink::publisher::{self, Progress, SinkItem};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
-use crate::source::{SourceError, connect_sql, slot::usable_slot, start_replication};
+use crate::source::{SourceError, connect_sql, slot, slot::usable_slot, start_replication};
 
 /// Why the relay stopped, or why a session ended.
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +166,7 @@ async fn session(
 ) -> Result<Lsn, RelayError> {
     let sql = Arc::new(connect_sql(&cfg.postgres).await?);
     let start = usable_slot(&sql, cfg).await?;
+    let oids = slot::outbox_oids(&sql, cfg).await?;
     let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
     info!("connected to RabbitMQ");
     let mut repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
@@ -179,7 +180,7 @@ async fn session(
         lsn: start,
         commit_time_us: None,
     });
-    let mut decoder = OutboxDecoder::new(&cfg.outbox, &cfg.rabbitmq);
+    let mut decoder = OutboxDecoder::new(&cfg.outbox, &cfg.rabbitmq, oids);
 
     // Side tasks on the SQL connection; they end with the session.
     let side = tokio::spawn(side_tasks(

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
 
-use crate::config::{PostgresConfig, redact_url};
+use crate::config::{PostgresConfig, quote_ident, redact_url};
 use crate::lsn::Lsn;
 use crate::pgurl::{PgTarget, split_pg_url};
 use crate::tls::{self, TlsFailure};
@@ -171,7 +171,9 @@ pub async fn start_replication(
             .map_err(SourceError::Setup)?;
     // The same server as the SQL connection: `hostaddr` when the URL gives
     // one (the name is still what the certificate is checked against).
-    let (slot, publication) = (cfg.slot.clone(), cfg.publication.clone());
+    // pgoutput reads publication_names as a list of identifiers: quoted,
+    // `OutboxPub` stays mixed-case and `a,b` stays one name.
+    let (slot, publication) = (cfg.slot.clone(), quote_ident(&cfg.publication));
     let base = match &cfg.target {
         PgTarget::Unix { dir, port } => ReplicationConfig::unix(
             dir.display().to_string(),

@@ -5,6 +5,7 @@ use tokio_postgres::Client;
 use super::{SourceError, sql_err};
 use crate::config::{Config, quote_ident};
 use crate::lsn::Lsn;
+use crate::outbox::OutboxOids;
 
 /// A row of `pg_replication_slots`, as far as the relay cares.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +22,11 @@ pub struct SlotInfo {
     pub active_pid: Option<i32>,
     /// Database the slot belongs to.
     pub database: Option<String>,
+    /// Whether that is the database the relay connects to.
+    pub in_this_database: bool,
+    /// A slot created for two-phase decoding (it would stream prepared
+    /// transactions before their COMMIT PREPARED).
+    pub two_phase: bool,
 }
 
 fn parse_lsn(s: Option<String>) -> Option<Lsn> {
@@ -32,7 +38,8 @@ pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>
     let row = client
         .query_opt(
             "SELECT plugin::text, confirmed_flush_lsn::text, restart_lsn::text, wal_status, \
-             active_pid, database::text FROM pg_replication_slots WHERE slot_name = $1",
+             active_pid, database::text, database IS NOT DISTINCT FROM current_database(), \
+             two_phase FROM pg_replication_slots WHERE slot_name = $1",
             &[&cfg.postgres.slot],
         )
         .await
@@ -44,6 +51,8 @@ pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>
         wal_status: r.get(3),
         active_pid: r.get(4),
         database: r.get(5),
+        in_this_database: r.get(6),
+        two_phase: r.get(7),
     }))
 }
 
@@ -61,6 +70,20 @@ pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceErr
         return Err(SourceError::Setup(format!(
             "replication slot {slot:?} uses plugin {:?}, not pgoutput; drop it and run `outbox-relay setup`",
             info.plugin.unwrap_or_default()
+        )));
+    }
+    if !info.in_this_database {
+        return Err(SourceError::Setup(format!(
+            "replication slot {slot:?} belongs to database {:?}, not the one postgres.url names; \
+             use a slot of this database (postgres.slot), or fix the database in postgres.url",
+            info.database.unwrap_or_default()
+        )));
+    }
+    if info.two_phase {
+        return Err(SourceError::Setup(format!(
+            "replication slot {slot:?} was created with two-phase decoding, which would stream \
+             prepared transactions before they commit; drop it \
+             (SELECT pg_drop_replication_slot('{slot}')) and run `outbox-relay setup`"
         )));
     }
     if info.wal_status.as_deref() == Some("lost") {
@@ -100,6 +123,34 @@ pub async fn require_logical_wal(client: &Client, cfg: &Config) -> Result<(), So
     Ok(())
 }
 
+/// The relation ids of the outbox table and its partitions, read when a
+/// session starts: the decoder recognises the outbox by them (and by name),
+/// so a RENAME while streaming is followed rather than skipped.
+pub async fn outbox_oids(client: &Client, cfg: &Config) -> Result<OutboxOids, SourceError> {
+    let table = &cfg.outbox.table;
+    // pg_partition_tree lists nothing for a table that is not partitioned.
+    let row = client
+        .query_opt(
+            "SELECT c.oid, ARRAY(SELECT t.relid::oid FROM pg_partition_tree(c.oid) t \
+             WHERE t.relid <> c.oid) \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2",
+            &[&table.schema, &table.name],
+        )
+        .await
+        .map_err(sql_err(&cfg.postgres, "looking up the outbox table"))?;
+    let Some(row) = row else {
+        return Err(SourceError::Setup(format!(
+            "outbox table {table} does not exist (outbox.table); if it was renamed, set \
+             outbox.table to its new name"
+        )));
+    };
+    Ok(OutboxOids {
+        root: row.get(0),
+        partitions: row.get(1),
+    })
+}
+
 /// What `setup` did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct SetupReport {
@@ -137,7 +188,8 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
     match publication {
         None => {
             let sql = format!(
-                "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+                "CREATE PUBLICATION {} FOR TABLE {} \
+                 WITH (publish = 'insert', publish_via_partition_root = true)",
                 quote_ident(&pg.publication),
                 table.quoted()
             );
@@ -149,9 +201,17 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
         }
         Some(row) => {
             let inserts: bool = row.get(0);
+            // A partitioned table is covered when the publication lists it
+            // (published via its root) or its partitions.
             let covers = client
                 .query_opt(
-                    "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                    "SELECT 1 FROM pg_publication_tables pt \
+                     JOIN pg_namespace n ON n.nspname = pt.schemaname \
+                     JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+                     JOIN pg_namespace rn ON rn.nspname = $2 \
+                     JOIN pg_class r ON r.relnamespace = rn.oid AND r.relname = $3 \
+                     WHERE pt.pubname = $1 AND (c.oid = r.oid OR c.oid IN ( \
+                       SELECT t.relid FROM pg_partition_tree(r.oid) t)) LIMIT 1",
                     &[&pg.publication, &table.schema, &table.name],
                 )
                 .await

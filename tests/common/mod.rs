@@ -160,6 +160,15 @@ impl Fixture {
 
     /// As [`Fixture::new`], with extra TOML appended to the `[rabbitmq]` section.
     pub async fn with_config(test: &str, rabbitmq_extra: &str) -> Fixture {
+        let ddl = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/sql/outbox.sql"))
+            .unwrap()
+            .replace("CREATE TABLE outbox", "CREATE TABLE {table}");
+        Self::with_ddl(test, rabbitmq_extra, &ddl).await
+    }
+
+    /// As [`Fixture::with_config`], creating the outbox table with `ddl`
+    /// (`{table}` stands for the table's name).
+    pub async fn with_ddl(test: &str, rabbitmq_extra: &str, ddl: &str) -> Fixture {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let name = format!("{test}_{}_{n}", std::process::id());
         let f = Fixture {
@@ -179,10 +188,9 @@ impl Fixture {
         std::fs::write(&f.config, f.config_text(rabbitmq_extra)).unwrap();
 
         let pg = pg_connect().await;
-        let ddl = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/sql/outbox.sql"))
-            .unwrap()
-            .replace("CREATE TABLE outbox", &format!("CREATE TABLE {}", f.table));
-        pg.batch_execute(&ddl).await.unwrap();
+        pg.batch_execute(&ddl.replace("{table}", &f.table))
+            .await
+            .unwrap();
 
         let ch = f.amqp.create_channel().await.unwrap();
         ch.exchange_declare(

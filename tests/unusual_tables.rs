@@ -1,0 +1,268 @@
+//! Outbox tables the default DDL does not make: partitioned, renamed while
+//! streaming, and a publication that publishes more than the outbox. Each
+//! must end with every outbox row relayed, or with the relay stopped and
+//! saying why: never with a row skipped while the slot moves past it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+/// The default outbox table, partitioned by aggregate type.
+const PARTITIONED: &str = "
+CREATE TABLE {table} (
+  id             uuid        NOT NULL DEFAULT gen_random_uuid(),
+  aggregate_type text        NOT NULL,
+  aggregate_id   text        NOT NULL,
+  event_type     text        NOT NULL,
+  payload        jsonb       NOT NULL,
+  headers        jsonb,
+  created_at     timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY (aggregate_type, id)
+) PARTITION BY LIST (aggregate_type);
+CREATE TABLE {table}_orders PARTITION OF {table} FOR VALUES IN ('order');
+CREATE TABLE {table}_rest PARTITION OF {table} DEFAULT;
+";
+
+/// `setup` publishes a partitioned outbox via its root and `check` says so;
+/// rows inserted into every partition, including one attached while the
+/// relay streams, arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_outbox_is_relayed_from_every_partition() {
+    let mut f = Fixture::with_ddl("partitioned", "", PARTITIONED).await;
+    let pg = pg_connect().await;
+    let out = f.relay_cmd("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let table_line = stdout
+        .lines()
+        .find(|l| l.contains("outbox table"))
+        .unwrap_or_else(|| panic!("no outbox table line:\n{stdout}"));
+    assert!(
+        table_line.starts_with("ok ") && table_line.contains("partitioned"),
+        "{stdout}"
+    );
+    let pub_line = stdout.lines().find(|l| l.contains("publication")).unwrap();
+    assert!(
+        pub_line.starts_with("ok ") && pub_line.contains("via its root"),
+        "{stdout}"
+    );
+
+    f.start_consumer().await;
+    let relay = f.spawn_relay();
+    let mut ids = Vec::new();
+    for (i, kind) in ["order", "invoice", "order", "user"].iter().enumerate() {
+        let id = f
+            .insert(&pg, kind, &format!("a-{i}"), "created", &json!({ "i": i }))
+            .await;
+        ids.push(id);
+    }
+    // A partition attached while streaming.
+    pg.batch_execute(&format!(
+        "CREATE TABLE {0}_users PARTITION OF {0} FOR VALUES IN ('account')",
+        f.table
+    ))
+    .await
+    .unwrap_or_else(|e| {
+        // The DEFAULT partition must not hold 'account' rows yet: it does not.
+        panic!("attaching a partition: {e}")
+    });
+    ids.push(f.insert(&pg, "account", "u-1", "opened", &json!({})).await);
+    let got = f
+        .collect_until(
+            &ids,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            Some(&relay),
+        )
+        .await;
+    let counts = count_by_id(&got);
+    for id in &ids {
+        assert!(counts.contains_key(id), "{id} missing");
+    }
+    assert!(
+        got.iter()
+            .any(|r| r.header_str("aggregate_type").as_deref() == Some("account")),
+        "the new partition's row did not arrive"
+    );
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+    f.cleanup().await;
+}
+
+/// A RENAME of the outbox table while streaming is followed by its relation
+/// id: rows inserted under the new name arrive. A restart with the old name
+/// in the config stops with an error that says the table is gone and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_while_streaming_loses_no_row() {
+    let mut f = Fixture::new("renamed").await;
+    let pg = pg_connect().await;
+    f.start_consumer().await;
+    let relay = f.spawn_relay();
+    let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    f.collect_until(
+        &[first],
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+
+    let renamed = format!("{}_renamed", f.table);
+    pg.batch_execute(&format!("ALTER TABLE {} RENAME TO {renamed}", f.table))
+        .await
+        .unwrap();
+    let after: String = pg
+        .query_one(
+            &format!(
+                "INSERT INTO {renamed} (aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ('order', 'o-2', 'shipped', '{{}}') RETURNING id::text"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    f.collect_until(
+        &[after],
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    assert!(
+        relay.wait_log("renamed", Duration::from_secs(5)).await,
+        "the rename was not logged:\n{}",
+        relay.log_tail()
+    );
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+
+    // The config still names the old table: the next start says so.
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("does not exist") && log.contains("outbox.table") && log.contains("renamed"),
+        "{log}"
+    );
+    pg.batch_execute(&format!("ALTER TABLE {renamed} RENAME TO {}", f.table))
+        .await
+        .unwrap();
+    f.cleanup().await;
+}
+
+/// The publication also publishes another table: an INSERT into it stops
+/// the relay with an error naming the table, before the outbox row behind
+/// it is confirmed, and the slot does not move past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insert_into_another_published_table_stops_the_relay() {
+    let mut f = Fixture::new("foreign").await;
+    let pg = pg_connect().await;
+    let other = format!("{}_other", f.table);
+    pg.batch_execute(&format!(
+        "CREATE TABLE {other} (n int); ALTER PUBLICATION {} ADD TABLE {other}",
+        f.publication
+    ))
+    .await
+    .unwrap();
+    f.start_consumer().await;
+    let mut relay = f.spawn_relay();
+    let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    f.collect_until(
+        &[first],
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let before_foreign = wal_insert_lsn(&pg).await;
+    pg.batch_execute(&format!("INSERT INTO {other} VALUES (1)"))
+        .await
+        .unwrap();
+    let behind = f.insert(&pg, "order", "o-2", "shipped", &json!({})).await;
+
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains(&other) && log.contains("not the outbox table"),
+        "{log}"
+    );
+    let late = f.drain_for(Duration::from_millis(500)).await;
+    assert!(
+        !late.iter().any(|r| r.message_id() == behind),
+        "the outbox row behind the foreign insert was published past it"
+    );
+    let confirmed = f.confirmed_flush_lsn(&pg).await;
+    assert!(
+        confirmed <= before_foreign,
+        "the slot moved past the foreign insert: {confirmed} > {before_foreign}"
+    );
+    f.cleanup().await;
+}
+
+/// Publication names reach pgoutput as written: mixed case and a comma are
+/// part of the name, not folded or split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusual_publication_name_is_sent_quoted() {
+    let mut f = Fixture::new("pubname").await;
+    let pg = pg_connect().await;
+    let odd = format!("Outbox Pub,{}", f.name);
+    let text = std::fs::read_to_string(&f.config).unwrap().replace(
+        &format!("publication = \"{}\"", f.publication),
+        &format!("publication = \"{odd}\""),
+    );
+    std::fs::write(&f.config, text).unwrap();
+    let out = f.relay_cmd("setup").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    f.start_consumer().await;
+    let relay = f.spawn_relay();
+    let id = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    f.collect_until(&[id], Duration::from_secs(30), Duration::ZERO, Some(&relay))
+        .await;
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+    pg.batch_execute(&format!("DROP PUBLICATION \"{odd}\""))
+        .await
+        .unwrap();
+    f.cleanup().await;
+}
+
+/// A slot made for two-phase decoding would stream prepared transactions
+/// before they commit: `run` refuses it and says how to replace it, and
+/// `check` fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_phase_slot_is_refused() {
+    let f = Fixture::new("twophase").await;
+    let pg = pg_connect().await;
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&f.slot])
+        .await
+        .unwrap();
+    pg.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, true)",
+        &[&f.slot],
+    )
+    .await
+    .unwrap();
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("two-phase") && log.contains("pg_drop_replication_slot"),
+        "{log}"
+    );
+    let out = f.relay_cmd("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL replication slot") && l.contains("two-phase")),
+        "{stdout}"
+    );
+    f.cleanup().await;
+}
