@@ -112,12 +112,13 @@ impl Command {
     }
 }
 
-/// `run`: returns the final confirmed LSN.
+/// `run`: returns the final confirmed LSN (`None`: stopped before or
+/// between sessions).
 pub async fn run(
     cfg: &Config,
     shutdown: CancellationToken,
     metrics: &crate::metrics::Metrics,
-) -> Result<Lsn, RelayError> {
+) -> Result<Option<Lsn>, RelayError> {
     relay::run(cfg, shutdown, metrics).await
 }
 

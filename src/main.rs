@@ -52,8 +52,10 @@ async fn run(cfg: &Config) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let addr = outbox_relay::http::serve(cfg.http.listen, metrics.clone(), token.clone()).await?;
     tracing::info!(%addr, "serving /metrics /healthz /readyz");
-    let lsn = cli::run(cfg, token, &metrics).await?;
-    println!("final confirmed LSN {lsn}");
+    match cli::run(cfg, token, &metrics).await? {
+        Some(lsn) => println!("final confirmed LSN {lsn}"),
+        None => println!("stopped before streaming; the slot keeps its position"),
+    }
     Ok(())
 }
 

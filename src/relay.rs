@@ -105,12 +105,13 @@ const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 const RETAINED_WAL_EVERY: Duration = Duration::from_secs(5);
 
 /// Runs sessions until `shutdown` is cancelled (returns the final confirmed
-/// LSN) or a fatal error.
+/// LSN, `None` when it came while connecting, between sessions or standing
+/// by, with nothing in flight) or a fatal error.
 pub async fn run(
     cfg: &Config,
     shutdown: CancellationToken,
     metrics: &Metrics,
-) -> Result<Lsn, RelayError> {
+) -> Result<Option<Lsn>, RelayError> {
     let mut attempt: u32 = 0;
     let mut busy_logged: Option<Instant> = None;
     loop {
@@ -139,8 +140,13 @@ pub async fn run(
                     warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, attempt, "reconnecting");
                     delay
                 };
+                // A stop asked for while waiting is a clean stop: nothing
+                // is in flight, and the slot keeps the position.
                 tokio::select! {
-                    _ = shutdown.cancelled() => return Err(e),
+                    _ = shutdown.cancelled() => {
+                        info!(last_error = %e, "stopped while waiting to reconnect");
+                        return Ok(None);
+                    }
                     _ = tokio::time::sleep(delay) => {}
                 }
             }
@@ -163,13 +169,25 @@ async fn session(
     shutdown: &CancellationToken,
     metrics: &Metrics,
     progressed: &mut bool,
-) -> Result<Lsn, RelayError> {
-    let sql = Arc::new(connect_sql(&cfg.postgres).await?);
-    let start = usable_slot(&sql, cfg).await?;
-    let oids = slot::outbox_oids(&sql, cfg).await?;
-    let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
-    info!("connected to RabbitMQ");
-    let mut repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
+) -> Result<Option<Lsn>, RelayError> {
+    // Connecting can take a while (each step has its deadline): a stop asked
+    // for meanwhile ends it at once, with nothing in flight.
+    let connect = async {
+        let sql = Arc::new(connect_sql(&cfg.postgres).await?);
+        let start = usable_slot(&sql, cfg).await?;
+        let oids = slot::outbox_oids(&sql, cfg).await?;
+        let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
+        info!("connected to RabbitMQ");
+        let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
+        Ok::<_, RelayError>((sql, start, oids, sink, repl))
+    };
+    let (sql, start, oids, mut sink, mut repl) = tokio::select! {
+        r = connect => r?,
+        _ = shutdown.cancelled() => {
+            info!("stopped while connecting");
+            return Ok(None);
+        }
+    };
     info!(slot = %cfg.postgres.slot, lsn = %start, "streaming from LSN");
     metrics.streaming.set(1);
     metrics.confirmed_lsn.set(start.0);
@@ -243,7 +261,7 @@ async fn session(
         other => other?,
     }
     info!(lsn = %confirmed, "stopped; final confirmed LSN");
-    Ok(confirmed)
+    Ok(Some(confirmed))
 }
 
 /// Work beside the stream that needs the SQL connection: the checkpoint

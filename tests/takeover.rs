@@ -165,3 +165,66 @@ async fn standby_takes_over_after_kill9_of_the_active_relay() {
     );
     fx.cleanup().await;
 }
+
+/// A stop asked for while nothing streams is a clean stop: SIGTERM to a
+/// relay standing by for the slot, to one waiting to reconnect to a broker
+/// that refuses connections, and to one connecting to a broker that accepts
+/// the TCP connection but never answers, each exits 0 without waiting out a
+/// timeout, and says the slot keeps its position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_standing_by_or_reconnecting_exits_zero() {
+    let fx = Fixture::new("stopidle").await;
+    let active = fx.spawn_relay();
+    assert!(
+        active
+            .wait_log("streaming from LSN", Duration::from_secs(30))
+            .await,
+        "{}",
+        active.log_tail()
+    );
+    let standby = fx.spawn_relay();
+    assert!(
+        standby
+            .wait_log("standing by", Duration::from_secs(30))
+            .await,
+        "{}",
+        standby.log_tail()
+    );
+    let (status, out) = standby.sigterm();
+    assert!(status.success(), "standby: {status}\n{out}");
+    assert!(out.contains("stopped before streaming"), "{out}");
+    let (status, out) = active.sigterm();
+    assert!(status.success(), "active: {status}\n{out}");
+
+    // A broker port that refuses: the relay backs off between attempts.
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let refusing = text.replace(&amqp_url(), "amqp://guest:guest@127.0.0.1:1/%2f");
+    std::fs::write(&fx.config, &refusing).unwrap();
+    let relay = fx.spawn_relay();
+    assert!(
+        relay
+            .wait_log("reconnecting", Duration::from_secs(30))
+            .await,
+        "{}",
+        relay.log_tail()
+    );
+    let (status, out) = relay.sigterm();
+    assert!(status.success(), "reconnecting: {status}\n{out}");
+
+    // A broker that accepts and never answers: the stop ends the connect.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let hanging = text.replace(
+        &amqp_url(),
+        &format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+    );
+    std::fs::write(&fx.config, &hanging).unwrap();
+    let mut relay = fx.spawn_relay();
+    let (_sock, _) = silent.accept().unwrap();
+    signal(relay.pid(), "TERM");
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(10));
+    assert!(status.success(), "connecting: {status}\n{log}");
+    assert!(log.contains("stopped while connecting"), "{log}");
+    std::fs::write(&fx.config, &text).unwrap();
+    fx.cleanup().await;
+}
