@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationEvent};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -34,6 +34,7 @@ use crate::outbox::{Decoded, OutboxDecoder, PG_EPOCH_OFFSET_US};
 use crate::sink::publisher::{self, Progress, SinkItem};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
+use crate::source::silence::{self, Silence, Silent};
 use crate::source::{SourceError, connect_sql, slot, slot::usable_slot, start_replication};
 
 /// Why the relay stopped, or why a session ended.
@@ -101,6 +102,8 @@ const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
 const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
 /// The checkpoint table is written at most this often.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// Deadline of each SQL call beside the stream.
+const SQL_DEADLINE: Duration = Duration::from_secs(10);
 /// Retained WAL is polled this often for the metric.
 const RETAINED_WAL_EVERY: Duration = Duration::from_secs(5);
 
@@ -176,12 +179,13 @@ async fn session(
         let sql = Arc::new(connect_sql(&cfg.postgres).await?);
         let start = usable_slot(&sql, cfg).await?;
         let oids = slot::outbox_oids(&sql, cfg).await?;
+        let silence_limit = silence::limit(&sql, &cfg.postgres).await?;
         let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
         info!("connected to RabbitMQ");
         let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
-        Ok::<_, RelayError>((sql, start, oids, sink, repl))
+        Ok::<_, RelayError>((sql, start, oids, silence_limit, sink, repl))
     };
-    let (sql, start, oids, mut sink, mut repl) = tokio::select! {
+    let (sql, start, oids, silence_limit, mut sink, mut repl) = tokio::select! {
         r = connect => r?,
         _ = shutdown.cancelled() => {
             info!("stopped while connecting");
@@ -201,11 +205,13 @@ async fn session(
     let mut decoder = OutboxDecoder::new(&cfg.outbox, &cfg.rabbitmq, oids);
 
     // Side tasks on the SQL connection; they end with the session.
+    let probe = Arc::new(Notify::new());
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
         sql,
         wm_rx.clone(),
         metrics.clone(),
+        probe.clone(),
         stop.clone(),
     ));
 
@@ -214,6 +220,7 @@ async fn session(
         &mut decoder,
         items_tx,
         &mut wm_rx,
+        (Silence::new(silence_limit), &probe),
         &stop,
         metrics,
     );
@@ -272,8 +279,17 @@ async fn side_tasks(
     sql: Arc<tokio_postgres::Client>,
     mut progress: watch::Receiver<Progress>,
     metrics: Metrics,
+    probe: Arc<Notify>,
     stop: CancellationToken,
 ) {
+    // Every call has a deadline: a hung server must not keep the session
+    // (which waits for these tasks) from ending.
+    let bounded = |what: &'static str| {
+        move |r: Result<Result<_, _>, tokio::time::error::Elapsed>| match r {
+            Ok(r) => r.map_err(|e: tokio_postgres::Error| e.to_string()),
+            Err(_) => Err(format!("{what} got no answer within {SQL_DEADLINE:?}")),
+        }
+    };
     let mut heartbeat = cfg.postgres.heartbeat.map(tokio::time::interval);
     let mut retained = tokio::time::interval(RETAINED_WAL_EVERY);
     let mut written: Option<i64> = None;
@@ -287,7 +303,8 @@ async fn side_tasks(
                 // on keepalives would itself make WAL, forever.
                 let p = *progress.borrow_and_update();
                 if p.commit_time_us.is_some() && p.commit_time_us != written {
-                    match checkpoint_table::write(&sql, &cfg, p).await {
+                    let write = tokio::time::timeout(SQL_DEADLINE, checkpoint_table::write(&sql, &cfg, p));
+                    match write.await.unwrap_or_else(|_| Err(SourceError::Timeout("writing the checkpoint".into()))) {
                         Ok(()) => written = p.commit_time_us,
                         Err(e) if !checkpoint_warned => {
                             warn!(error = %e, "cannot record the checkpoint (run `outbox-relay setup` to create its table); continuing");
@@ -301,21 +318,27 @@ async fn side_tasks(
                 // A transactional message travels the slot like a tiny
                 // transaction, so the watermark moves even when this
                 // database writes nothing at all.
-                if let Err(e) = sql
-                    .execute("SELECT pg_logical_emit_message(true, 'outbox-relay-heartbeat', '')", &[])
-                    .await
-                {
+                let call = sql.execute("SELECT pg_logical_emit_message(true, 'outbox-relay-heartbeat', '')", &[]);
+                if let Err(e) = bounded("the heartbeat")(tokio::time::timeout(SQL_DEADLINE, call).await) {
                     warn!(error = %e, "heartbeat failed");
                 }
             }
+            _ = probe.notified() => {
+                // The stream has been silent: a live walsender sends this
+                // message on at once (see source::silence).
+                let call = tokio::time::timeout(SQL_DEADLINE, sql.execute(silence::PROBE_SQL, &[]));
+                match bounded("the probe message")(call.await) {
+                    Ok(_) => debug!("replication stream silent; probe message sent"),
+                    Err(e) => warn!(error = %e, "replication stream silent, and the probe message failed"),
+                }
+            }
             _ = retained.tick() => {
-                if let Ok(row) = sql
-                    .query_one(
-                        "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
-                        &[&cfg.postgres.slot],
-                    )
-                    .await
-                {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&cfg.postgres.slot];
+                let call = sql.query_one(
+                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+                    &params,
+                );
+                if let Ok(Ok(row)) = tokio::time::timeout(SQL_DEADLINE, call).await {
                     metrics.retained_wal_bytes.set(row.get::<_, Option<i64>>(0).unwrap_or(0));
                 }
             }
@@ -351,11 +374,13 @@ async fn source_loop(
     decoder: &mut OutboxDecoder,
     items: mpsc::Sender<SinkItem>,
     watermark: &mut watch::Receiver<Progress>,
+    (mut silence, probe): (Silence, &Notify),
     stop: &CancellationToken,
     metrics: &Metrics,
 ) -> Result<(), RelayError> {
     loop {
-        // Priorities: stop first, then progress back to the server, then WAL.
+        // Priorities: stop first, then progress back to the server, then
+        // WAL, then silence (probe, then give up on the stream).
         let ev = tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(()),
@@ -364,7 +389,15 @@ async fn source_loop(
                 continue;
             }
             ev = repl.recv() => ev,
+            _ = tokio::time::sleep_until(silence.deadline()) => match silence.expired() {
+                Silent::Probe => {
+                    probe.notify_one();
+                    continue;
+                }
+                Silent::Stalled(for_) => return Err(SourceError::Stalled(for_).into()),
+            },
         };
+        silence.heard();
         let item = match ev {
             Ok(Some(ReplicationEvent::Begin {
                 commit_time_micros, ..
@@ -420,6 +453,8 @@ async fn source_loop(
                 },
             }
         }
+        // Time spent waiting for the sink is not the stream's silence.
+        silence.heard();
     }
 }
 

@@ -281,3 +281,95 @@ async fn postgres_unresponsive_while_reconnecting_is_transient() {
     );
     fx.cleanup().await;
 }
+
+/// A walsender that stops answering (SIGSTOP: the socket stays open and
+/// silent, as after a failover or a dead network path) ends the session
+/// within the server's `wal_sender_timeout` (4 s for this test's role): the
+/// relay probes the silence, gives up on the stream, `/readyz` turns 503,
+/// and once the walsender is gone the relay streams again with nothing
+/// lost. Prints how long noticing took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_walsender_is_noticed() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::new("pgstall").await;
+    let pg = pg_connect().await;
+    let role = fx.scoped("stall");
+    pg.batch_execute(&format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER REPLICATION PASSWORD 'stall-pw'; \
+         ALTER ROLE {role} SET wal_sender_timeout = '4s'"
+    ))
+    .await
+    .unwrap();
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let url = pg_url();
+    let (_, after_scheme) = url.split_once("://").unwrap();
+    let (_, host) = after_scheme.split_once('@').unwrap();
+    let stall_url = format!("postgres://{role}:stall-pw@{host}");
+    std::fs::write(&fx.config, text.replace(&url, &stall_url)).unwrap();
+
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay();
+    let first = fx
+        .insert(&pg, "order", "o-1", "placed", &serde_json::json!({}))
+        .await;
+    fx.collect_until(
+        &[first],
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let addr = relay
+        .log_text()
+        .split("addr=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .expect("the relay logs its HTTP address")
+        .to_owned();
+    assert_eq!(http_status(&addr, "/readyz").await, 200);
+
+    let walsender = fx.slot_active_pid(&pg).await.expect("the relay streams");
+    signal(walsender as u32, "STOP");
+    let stopped = Instant::now();
+    let during = fx
+        .insert(&pg, "order", "o-2", "shipped", &serde_json::json!({}))
+        .await;
+    let noticed = relay.wait_log("silent for", Duration::from_secs(30)).await;
+    let took = stopped.elapsed();
+    let readyz = http_status(&addr, "/readyz").await;
+    signal(walsender as u32, "CONT");
+    assert!(noticed, "the stall was not noticed:\n{}", relay.log_tail());
+    println!(
+        "stalled walsender noticed after {:.1}s (wal_sender_timeout 4s)",
+        took.as_secs_f64()
+    );
+    assert_eq!(readyz, 503, "/readyz while the stream is stalled");
+
+    // The stopped walsender finds its client gone once it runs again; the
+    // relay takes the slot back and the row written meanwhile arrives.
+    fx.collect_until(
+        &[during],
+        Duration::from_secs(60),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+    fx.cleanup().await;
+    pg.batch_execute(&format!("DROP ROLE {role}"))
+        .await
+        .unwrap();
+}
+
+/// The status code of a GET.
+async fn http_status(addr: &str, path: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    buf.split_whitespace().nth(1).unwrap().parse().unwrap()
+}

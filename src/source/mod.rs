@@ -2,6 +2,7 @@
 //! replication stream.
 
 pub mod checkpoint_table;
+pub mod silence;
 pub mod slot;
 
 use std::time::Duration;
@@ -41,6 +42,13 @@ pub enum SourceError {
     /// The server ended the stream.
     #[error("replication stream ended by the server")]
     Ended,
+    /// The stream said nothing, not even to a probe, for this long: a
+    /// stopped walsender or a dead connection.
+    #[error(
+        "the replication stream was silent for {0:?}, even after a probe message (a stalled \
+         walsender or a dead connection; the limit is the server's wal_sender_timeout)"
+    )]
+    Stalled(Duration),
     /// Something the operator must fix (missing slot, wrong settings...).
     #[error("{0}")]
     Setup(String),
@@ -85,7 +93,10 @@ impl SourceError {
                     _ => true,
                 }
             }
-            SourceError::Ended | SourceError::SlotBusy { .. } | SourceError::Timeout(_) => true,
+            SourceError::Ended
+            | SourceError::Stalled(_)
+            | SourceError::SlotBusy { .. }
+            | SourceError::Timeout(_) => true,
             SourceError::Setup(_) | SourceError::Stream(_) => false,
         }
     }
@@ -103,6 +114,14 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     let mut pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
         SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
     })?;
+    // TCP keepalives notice a dead host or path on a quiet connection
+    // (about 30 s), unless the URL chose its own.
+    if !url.contains("keepalives") {
+        pg.keepalives(true)
+            .keepalives_idle(Duration::from_secs(15))
+            .keepalives_interval(Duration::from_secs(5))
+            .keepalives_retries(3);
+    }
     let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
         .map_err(|e| SourceError::Setup(format!("postgres.ca_file: {e}")))?;
     let fut = pg.connect(connector);
