@@ -228,9 +228,9 @@ fn default_unroutable_retries() -> u64 {
 fn default_retry_backoff_ms() -> u64 {
     500
 }
-/// RabbitMQ's own default `max_message_size` (128 MiB).
+/// RabbitMQ 4's default `max_message_size` (16 MiB).
 fn default_max_message_bytes() -> u64 {
-    128 * 1024 * 1024
+    16 * 1024 * 1024
 }
 fn default_shutdown_grace_secs() -> u64 {
     10

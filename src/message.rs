@@ -65,6 +65,30 @@ pub enum RenderError {
         /// Event id.
         id: String,
     },
+    /// A `CC` or `BCC` header (RabbitMQ's sender-selected distribution) that
+    /// is not an array of strings: the broker would close the channel over
+    /// it, again on every replay.
+    #[error("event {id}: header {key:?} must be an array of strings (RabbitMQ routes on it)")]
+    RoutingHeader {
+        /// Event id.
+        id: String,
+        /// `CC` or `BCC`.
+        key: String,
+    },
+    /// The properties and headers do not fit in one content-header frame
+    /// (`frame_max`): the broker would close the connection over it.
+    #[error(
+        "event {id}: properties and headers take about {bytes} bytes, more than the \
+         negotiated frame_max ({frame_max}); shorten the headers, aggregate_type or aggregate_id"
+    )]
+    HeaderTooLarge {
+        /// Event id.
+        id: String,
+        /// Estimated encoded size.
+        bytes: usize,
+        /// The connection's frame_max.
+        frame_max: u32,
+    },
 }
 
 fn text<'a>(
@@ -262,6 +286,23 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
                     len: k.len(),
                 });
             }
+            // RabbitMQ routes on CC and BCC: an array of long strings, or
+            // it closes the channel (nested values are JSON text otherwise).
+            if matches!(k.as_str(), "CC" | "BCC") {
+                let keys = v.as_array().and_then(|a| {
+                    a.iter()
+                        .map(|x| x.as_str().map(|s| AMQPValue::LongString(s.into())))
+                        .collect::<Option<Vec<_>>>()
+                });
+                let Some(keys) = keys else {
+                    return Err(RenderError::RoutingHeader {
+                        id: id.to_owned(),
+                        key: k,
+                    });
+                };
+                table.insert(ShortString::from(k), AMQPValue::FieldArray(keys.into()));
+                continue;
+            }
             table.insert(ShortString::from(k), json_to_amqp(v));
         }
         headers = Some(table);
@@ -280,6 +321,51 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
         aggregate_id,
         headers,
     })
+}
+
+impl MessageView<'_> {
+    /// An upper bound of the content-header frame's size: the frame and
+    /// property overhead, the short strings, and the headers table with
+    /// every value counted at its largest encoding. Exact enough to refuse
+    /// only what is near `frame_max`, cheap enough for every event.
+    pub fn header_bytes(&self) -> usize {
+        const OVERHEAD: usize = 8 + 14 + 64;
+        let shorts = self.message_id.len() + self.event_type.len() + self.content_type.len();
+        let fixed = [
+            ("aggregate_type", self.aggregate_type),
+            ("aggregate_id", self.aggregate_id),
+        ]
+        .iter()
+        .map(|(k, v)| 1 + k.len() + 1 + 4 + v.len())
+        .sum::<usize>();
+        let user = self.headers.as_ref().map_or(0, |h| {
+            h.inner()
+                .iter()
+                .map(|(k, v)| 1 + k.as_str().len() + amqp_value_bound(v))
+                .sum()
+        });
+        OVERHEAD + shorts + 4 + fixed + user
+    }
+}
+
+/// An upper bound of a field value's encoded size.
+fn amqp_value_bound(v: &AMQPValue) -> usize {
+    match v {
+        AMQPValue::LongString(s) => 1 + 4 + s.as_bytes().len(),
+        AMQPValue::ShortString(s) => 1 + 1 + s.as_str().len(),
+        AMQPValue::FieldArray(a) => {
+            1 + 4 + a.as_slice().iter().map(amqp_value_bound).sum::<usize>()
+        }
+        AMQPValue::FieldTable(t) => {
+            1 + 4
+                + t.inner()
+                    .iter()
+                    .map(|(k, v)| 1 + k.as_str().len() + amqp_value_bound(v))
+                    .sum::<usize>()
+        }
+        AMQPValue::ByteArray(b) => 1 + 4 + b.as_slice().len(),
+        _ => 1 + 16,
+    }
 }
 
 /// Headers a dead-lettered message carries, saying why and where it was going.
@@ -342,15 +428,20 @@ impl Envelope {
             "body of {} bytes exceeds rabbitmq.max_message_bytes ({limit})",
             self.body.len()
         );
-        let mut dl = self.dead_letter(dlx, &reason, 0);
-        let mut headers = dl.properties.headers().clone().unwrap_or_default();
+        self.dead_letter(dlx, &reason, 0).without_body()
+    }
+
+    /// This dead letter without its body (too large to send): the size is
+    /// kept in `x-outbox-body-bytes`.
+    pub fn without_body(mut self) -> Envelope {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
             dead_letter_headers::BODY_BYTES.into(),
             AMQPValue::LongLongInt(self.body.len() as i64),
         );
-        dl.properties = dl.properties.with_headers(headers);
-        dl.body = Bytes::new();
-        dl
+        self.properties = self.properties.with_headers(headers);
+        self.body = Bytes::new();
+        self
     }
 }
 

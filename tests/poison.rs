@@ -250,3 +250,110 @@ async fn a_refusing_dead_letter_exchange_stops_the_relay() {
     );
     fx.cleanup().await;
 }
+
+/// Rows the broker would close the channel or the connection over, on every
+/// replay: `CC`/`BCC` headers that are not arrays of strings, and properties
+/// that do not fit in one frame (a huge aggregate_id, a huge headers
+/// column). Each is dead-lettered without the offending headers (and without
+/// a body over `max_message_bytes`), and the rows after them flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on() {
+    let mut fx = Fixture::new("badheaders").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    dl_config(&fx, "max_message_bytes = 4096");
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let insert = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+         VALUES ('order', $1, 'e', $2::text::jsonb, $3::text::jsonb) RETURNING id::text",
+        fx.table
+    );
+    let row =
+        async |agg_id: &str, payload: serde_json::Value, headers: serde_json::Value| -> String {
+            pg.query_one(
+                &insert,
+                &[&agg_id, &payload.to_string(), &headers.to_string()],
+            )
+            .await
+            .unwrap()
+            .get(0)
+        };
+    let cc_text = row(
+        "a1",
+        serde_json::json!({"n": 1}),
+        serde_json::json!({"CC": "x"}),
+    )
+    .await;
+    let bcc_nums = row(
+        "a2",
+        serde_json::json!({"n": 2}),
+        serde_json::json!({"BCC": [1, 2]}),
+    )
+    .await;
+    let huge_agg = row(
+        &"z".repeat(200_000),
+        serde_json::json!({"n": 3}),
+        serde_json::json!({}),
+    )
+    .await;
+    let huge_headers = row(
+        "a4",
+        serde_json::json!({"pad": "p".repeat(8000)}),
+        serde_json::json!({"pad": "h".repeat(200_000)}),
+    )
+    .await;
+    let good_cc = row(
+        "a5",
+        serde_json::json!({"n": 5}),
+        serde_json::json!({"CC": ["order.copy"]}),
+    )
+    .await;
+
+    let mut dls = Vec::new();
+    for _ in 0..4 {
+        dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    let dl = |id: &str| {
+        dls.iter()
+            .find(|r| r.message_id() == id)
+            .unwrap_or_else(|| panic!("{id} not dead-lettered"))
+    };
+    for (id, key) in [(&cc_text, "\"CC\""), (&bcc_nums, "\"BCC\"")] {
+        let err = dl(id).header_str("x-outbox-error").unwrap();
+        assert!(
+            err.contains(key) && err.contains("array of strings"),
+            "{err}"
+        );
+        assert!(dl(id).header("CC").is_none() && dl(id).header("BCC").is_none());
+    }
+    for id in [&huge_agg, &huge_headers] {
+        let d = dl(id);
+        let err = d.header_str("x-outbox-error").unwrap();
+        assert!(err.contains("frame_max"), "{err}");
+        assert!(d.header("pad").is_none() && d.header("aggregate_id").is_none());
+    }
+    assert_eq!(dl(&huge_agg).json(), serde_json::json!({"n": 3}));
+    assert!(
+        dl(&huge_headers).body.is_empty(),
+        "a body over max_message_bytes"
+    );
+    assert!(matches!(
+        dl(&huge_headers).header("x-outbox-body-bytes"),
+        Some(AMQPValue::LongLongInt(n)) if n > 8000
+    ));
+
+    // The well-formed CC row, behind them all, arrives.
+    fx.collect_until(
+        std::slice::from_ref(&good_cc),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+    fx.cleanup().await;
+}

@@ -14,8 +14,13 @@ use common::*;
 /// a regression, not jitter.
 const TAKEOVER_LIMIT: Duration = Duration::from_secs(30);
 
+/// The takeover test counts every relay walsender on the server: the tests
+/// of this binary take turns.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn standby_takes_over_after_kill9_of_the_active_relay() {
+    let _turn = SERIAL.lock().await;
     let started = Instant::now();
     let mut fx = Fixture::new("takeover").await;
     fx.start_reconnecting_consumer().await;
@@ -173,6 +178,7 @@ async fn standby_takes_over_after_kill9_of_the_active_relay() {
 /// timeout, and says the slot keeps its position.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_while_standing_by_or_reconnecting_exits_zero() {
+    let _turn = SERIAL.lock().await;
     let fx = Fixture::new("stopidle").await;
     let active = fx.spawn_relay();
     assert!(

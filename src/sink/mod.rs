@@ -190,6 +190,11 @@ impl AmqpSink {
         }
     }
 
+    /// The connection's negotiated frame_max.
+    pub fn frame_max(&self) -> u32 {
+        self.wire.frame_max()
+    }
+
     /// Queues `basic.publish` (mandatory) for `env`, moving the message in;
     /// returns its delivery tag. Written when the caller next waits for an
     /// answer ([`AmqpSink::answer`]).

@@ -21,7 +21,9 @@ use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
-use crate::message::{Envelope, MessageView, dead_letter_unrenderable, event_id, render, view};
+use crate::message::{
+    Envelope, MessageView, RenderError, dead_letter_unrenderable, event_id, render, view,
+};
 use prometheus_client::metrics::counter::Counter;
 
 use crate::metrics::{Metrics, Outcome, OutcomeLabel, ReasonLabel, RetryReason};
@@ -248,7 +250,7 @@ impl Publisher<'_> {
     fn publish_event(&mut self, sink: &mut AmqpSink, ev: OutboxEvent) -> Result<(), RelayError> {
         let seq = self.cp.publish()?;
         let commit_time_us = ev.commit_time_us;
-        let (tag, body_bytes) = match self.message(&ev)? {
+        let (tag, body_bytes) = match self.message(&ev, sink.frame_max())? {
             Ok(view) => (sink.publish_view(&view)?, view.body.len()),
             Err(dl) => {
                 let f = InFlight::dead_letter(seq, commit_time_us, dl);
@@ -267,8 +269,20 @@ impl Publisher<'_> {
     fn message<'e>(
         &self,
         ev: &'e OutboxEvent,
+        frame_max: u32,
     ) -> Result<Result<MessageView<'e>, Envelope>, RelayError> {
-        let m = match view(ev) {
+        // The broker would close the connection over a content header that
+        // does not fit in a frame (and again on every replay): refuse it
+        // here, and dead-letter it without its headers.
+        let m = view(ev).and_then(|m| match m.header_bytes() {
+            bytes if bytes > frame_max as usize => Err(RenderError::HeaderTooLarge {
+                id: m.message_id.to_owned(),
+                bytes,
+                frame_max,
+            }),
+            _ => Ok(m),
+        });
+        let m = match m {
             Ok(m) => m,
             Err(e) => {
                 let Some(dlx) = &self.cfg.dead_letter_exchange else {
@@ -276,7 +290,14 @@ impl Publisher<'_> {
                     return Err(RelayError::Render(e));
                 };
                 error!(event_id = %event_id(ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
-                return Ok(Err(dead_letter_unrenderable(ev, &e, dlx)));
+                let dl = dead_letter_unrenderable(ev, &e, dlx);
+                // The dead letter carries the row's body: it must fit too.
+                let limit = self.cfg.max_message_bytes;
+                return Ok(Err(if dl.body.len() > limit {
+                    dl.without_body()
+                } else {
+                    dl
+                }));
             }
         };
         if m.body.len() > self.cfg.max_message_bytes {

@@ -411,6 +411,11 @@ impl Wire {
         Ok(self.next_tag())
     }
 
+    /// The negotiated frame_max: a content header must fit in one frame.
+    pub fn frame_max(&self) -> u32 {
+        self.frame_max
+    }
+
     fn next_tag(&mut self) -> u64 {
         let tag = self.next_tag;
         self.next_tag += 1;
