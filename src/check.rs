@@ -632,6 +632,31 @@ async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckEr
             }
         }
     }
+    // Anything else it publishes would stop the relay at its first INSERT.
+    let others: Vec<String> = client
+        .query_one(
+            "SELECT ARRAY(SELECT format('%I.%I', pt.schemaname, pt.tablename) \
+             FROM pg_publication_tables pt JOIN pg_namespace n ON n.nspname = pt.schemaname \
+             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+             WHERE pt.pubname = $1 AND c.oid <> ALL (ARRAY( \
+               SELECT r.oid FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace \
+               WHERE rn.nspname = $2 AND r.relname = $3 \
+               UNION ALL SELECT t.relid::oid FROM pg_class r \
+               JOIN pg_namespace rn ON rn.oid = r.relnamespace \
+               CROSS JOIN LATERAL pg_partition_tree(r.oid) t \
+               WHERE rn.nspname = $2 AND r.relname = $3)) ORDER BY 1 LIMIT 5)",
+            &[&pg.publication, &t.schema, &t.name],
+        )
+        .await?
+        .get(0);
+    if !others.is_empty() {
+        problems.push(format!(
+            "also publishes {}: an INSERT into any of them stops the relay (it never skips a \
+             change); publish only the outbox: ALTER PUBLICATION {pub_q} SET TABLE {}",
+            others.join(", "),
+            t.quoted()
+        ));
+    }
     if problems.is_empty() {
         let via = if partitioned {
             " (partitioned, via its root)"

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::config::{OutboxColumns, OutboxConfig, RabbitmqConfig, TableName};
+use crate::lsn::Lsn;
 use crate::pgoutput::{Column, ColumnValue, LogicalMessage, Relation, TupleData};
 use crate::template::{Part, Template};
 
@@ -223,9 +224,13 @@ pub enum StreamError {
          its partitions, arrived through the publication (postgres.publication); stopping rather \
          than skipping it. Publish only the outbox (ALTER PUBLICATION ... SET TABLE {outbox}); \
          if {table} is a partition attached since the relay started, restart it, or set \
-         publish_via_partition_root = true on the publication"
+         publish_via_partition_root = true on the publication. PostgreSQL decides what a \
+         publication covers as of each change's WAL position, so changes already written stay \
+         published: this one is in {tx}"
     )]
     ForeignRelation {
+        /// The transaction, and how to move past it.
+        tx: String,
         /// The table as the Relation message named it.
         table: String,
         /// Its relation id.
@@ -258,6 +263,8 @@ pub struct OutboxDecoder {
     relations: HashMap<u32, Result<Result<Arc<Mapping>, MappingError>, String>>,
     /// Commit time of the open transaction (µs since the Unix epoch).
     open_tx: Option<i64>,
+    /// Its xid and commit LSN, when known.
+    open_xid: Option<(u32, Lsn)>,
 }
 
 /// Microseconds from the Unix epoch to PostgreSQL's epoch, 2000-01-01.
@@ -274,6 +281,7 @@ impl OutboxDecoder {
             rabbitmq: rabbitmq.clone(),
             relations: HashMap::new(),
             open_tx: None,
+            open_xid: None,
         }
     }
 
@@ -299,6 +307,13 @@ impl OutboxDecoder {
     /// BEGIN, with the commit time in PostgreSQL's epoch as pgoutput sends it.
     pub fn begin(&mut self, commit_time_pg_us: i64) {
         self.open_tx = Some(commit_time_pg_us.saturating_add(PG_EPOCH_OFFSET_US));
+    }
+
+    /// BEGIN, also naming the transaction (its xid and commit LSN), so that
+    /// an error about one of its changes can say which it is.
+    pub fn begin_tx(&mut self, commit_time_pg_us: i64, xid: u32, commit_lsn: Lsn) {
+        self.begin(commit_time_pg_us);
+        self.open_xid = Some((xid, commit_lsn));
     }
 
     /// COMMIT.
@@ -331,6 +346,18 @@ impl OutboxDecoder {
                         table: table.clone(),
                         oid: ins.relation_id,
                         outbox: self.table.to_string(),
+                        tx: match self.open_xid {
+                            Some((xid, lsn)) => format!(
+                                "transaction {xid}, committed at {lsn}: to skip it, advance the \
+                                 slot past it (SELECT pg_replication_slot_advance('<slot>', \
+                                 '{}')), then re-publish its outbox rows, if any (SELECT \
+                                 id FROM {} WHERE xmin = '{xid}'), with `outbox-relay \
+                                 republish --id`",
+                                Lsn(lsn.0 + 1),
+                                self.table
+                            ),
+                            None => "an unknown transaction".to_owned(),
+                        },
                     }),
                     Some(Ok(mapping)) => Ok(Decoded::Event(OutboxEvent {
                         tuple: ins.tuple,

@@ -30,7 +30,7 @@ use crate::config::Config;
 use crate::lsn::Lsn;
 use crate::message::RenderError;
 use crate::metrics::{Metrics, Target, TargetLabel};
-use crate::outbox::{Decoded, OutboxDecoder, PG_EPOCH_OFFSET_US};
+use crate::outbox::{Decoded, OutboxDecoder, OutboxOids, PG_EPOCH_OFFSET_US};
 use crate::sink::publisher::{self, Progress, SinkItem};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
@@ -117,10 +117,18 @@ pub async fn run(
 ) -> Result<Option<Lsn>, RelayError> {
     let mut attempt: u32 = 0;
     let mut busy_logged: Option<Instant> = None;
+    // The outbox as this process has known it: a RENAME followed by its
+    // relation id stays followed across reconnects.
+    let mut known: Option<OutboxOids> = None;
     loop {
         let mut progressed = false;
-        match session(cfg, &shutdown, metrics, &mut progressed).await {
+        match session(cfg, &shutdown, metrics, &mut progressed, &mut known).await {
             Ok(lsn) => return Ok(lsn),
+            // A failure the stop itself caused (a connection cut short).
+            Err(e) if e.is_transient() && shutdown.is_cancelled() => {
+                info!(last_error = %e, "stopped while connecting");
+                return Ok(None);
+            }
             Err(e) if e.is_transient() && !shutdown.is_cancelled() => {
                 if progressed {
                     attempt = 0;
@@ -172,25 +180,41 @@ async fn session(
     shutdown: &CancellationToken,
     metrics: &Metrics,
     progressed: &mut bool,
+    known: &mut Option<OutboxOids>,
 ) -> Result<Option<Lsn>, RelayError> {
     // Connecting can take a while (each step has its deadline): a stop asked
     // for meanwhile ends it at once, with nothing in flight.
     let connect = async {
         let sql = Arc::new(connect_sql(&cfg.postgres).await?);
-        let start = usable_slot(&sql, cfg).await?;
-        let oids = slot::outbox_oids(&sql, cfg).await?;
-        let silence_limit = silence::limit(&sql, &cfg.postgres).await?;
+        let start = bounded("reading the slot", usable_slot(&sql, cfg)).await?;
+        let oids = bounded(
+            "looking up the outbox table",
+            slot::outbox_oids(&sql, cfg, known.as_ref()),
+        )
+        .await?;
+        bounded(
+            "reading the publication",
+            slot::require_publication(&sql, cfg, &oids),
+        )
+        .await?;
+        *known = Some(oids.clone());
+        let silence_limit = bounded(
+            "reading wal_sender_timeout",
+            silence::limit(&sql, &cfg.postgres),
+        )
+        .await?;
         let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
         info!("connected to RabbitMQ");
         let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
         Ok::<_, RelayError>((sql, start, oids, silence_limit, sink, repl))
     };
     let (sql, start, oids, silence_limit, mut sink, mut repl) = tokio::select! {
-        r = connect => r?,
+        biased;
         _ = shutdown.cancelled() => {
             info!("stopped while connecting");
             return Ok(None);
         }
+        r = connect => r?,
     };
     info!(slot = %cfg.postgres.slot, lsn = %start, "streaming from LSN");
     metrics.streaming.set(1);
@@ -205,13 +229,19 @@ async fn session(
     let mut decoder = OutboxDecoder::new(&cfg.outbox, &cfg.rabbitmq, oids);
 
     // Side tasks on the SQL connection; they end with the session.
-    let probe = Arc::new(Notify::new());
+    let (probe, alive) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let watch_liveness = tokio::spawn(liveness(
+        cfg.clone(),
+        sql.clone(),
+        silence_limit,
+        (probe.clone(), alive.clone()),
+        stop.clone(),
+    ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
         sql,
         wm_rx.clone(),
         metrics.clone(),
-        probe.clone(),
         stop.clone(),
     ));
 
@@ -220,7 +250,7 @@ async fn session(
         &mut decoder,
         items_tx,
         &mut wm_rx,
-        (Silence::new(silence_limit), &probe),
+        (Silence::new(silence_limit), &probe, &alive),
         &stop,
         metrics,
     );
@@ -257,6 +287,7 @@ async fn session(
     }
     stop.cancel();
     let _ = side.await;
+    let _ = watch_liveness.await;
 
     let res = sink_res.and(source_res);
     match res {
@@ -279,7 +310,6 @@ async fn side_tasks(
     sql: Arc<tokio_postgres::Client>,
     mut progress: watch::Receiver<Progress>,
     metrics: Metrics,
-    probe: Arc<Notify>,
     stop: CancellationToken,
 ) {
     // Every call has a deadline: a hung server must not keep the session
@@ -323,15 +353,7 @@ async fn side_tasks(
                     warn!(error = %e, "heartbeat failed");
                 }
             }
-            _ = probe.notified() => {
-                // The stream has been silent: a live walsender sends this
-                // message on at once (see source::silence).
-                let call = tokio::time::timeout(SQL_DEADLINE, sql.execute(silence::PROBE_SQL, &[]));
-                match bounded("the probe message")(call.await) {
-                    Ok(_) => debug!("replication stream silent; probe message sent"),
-                    Err(e) => warn!(error = %e, "replication stream silent, and the probe message failed"),
-                }
-            }
+
             _ = retained.tick() => {
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&cfg.postgres.slot];
                 let call = sql.query_one(
@@ -340,6 +362,59 @@ async fn side_tasks(
                 );
                 if let Ok(Ok(row)) = tokio::time::timeout(SQL_DEADLINE, call).await {
                     metrics.retained_wal_bytes.set(row.get::<_, Option<i64>>(0).unwrap_or(0));
+                }
+            }
+        }
+    }
+}
+
+/// `fut` within [`SQL_DEADLINE`]: a server that accepted the connection and
+/// then hangs ends the attempt (transient), not the relay.
+async fn bounded<T>(
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, SourceError>>,
+) -> Result<T, RelayError> {
+    match tokio::time::timeout(SQL_DEADLINE, fut).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(SourceError::Timeout(what.to_owned()).into()),
+    }
+}
+
+/// Tells the source loop when the stream is alive though silent, on a task
+/// of its own so that no other SQL work delays it (see `source::silence`):
+/// sends the probe when asked, and signals `alive` whenever the slot's
+/// walsender has read further.
+async fn liveness(
+    cfg: Config,
+    sql: Arc<tokio_postgres::Client>,
+    limit: Duration,
+    (probe, alive): (Arc<Notify>, Arc<Notify>),
+    stop: CancellationToken,
+) {
+    let mut every = tokio::time::interval(silence::progress_every(limit));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sent: Option<String> = None;
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            _ = probe.notified() => {
+                let call = tokio::time::timeout(SQL_DEADLINE, sql.execute(silence::PROBE_SQL, &[]));
+                match call.await {
+                    Ok(Ok(_)) => debug!("replication stream silent; probe message sent"),
+                    Ok(Err(e)) => warn!(error = %e, "replication stream silent, and the probe message failed"),
+                    Err(_) => warn!("replication stream silent, and the probe message got no answer"),
+                }
+            }
+            _ = every.tick() => {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&cfg.postgres.slot];
+                let call = sql.query_opt(silence::SENT_LSN_SQL, &params);
+                if let Ok(Ok(Some(row))) = tokio::time::timeout(SQL_DEADLINE, call).await {
+                    let now: Option<String> = row.get(0);
+                    if now.is_some() && sent.is_some() && now != sent {
+                        alive.notify_one();
+                    }
+                    sent = now;
                 }
             }
         }
@@ -374,7 +449,7 @@ async fn source_loop(
     decoder: &mut OutboxDecoder,
     items: mpsc::Sender<SinkItem>,
     watermark: &mut watch::Receiver<Progress>,
-    (mut silence, probe): (Silence, &Notify),
+    (mut silence, probe, alive): (Silence, &Notify, &Notify),
     stop: &CancellationToken,
     metrics: &Metrics,
 ) -> Result<(), RelayError> {
@@ -389,6 +464,10 @@ async fn source_loop(
                 continue;
             }
             ev = repl.recv() => ev,
+            _ = alive.notified() => {
+                silence.heard();
+                continue;
+            }
             _ = tokio::time::sleep_until(silence.deadline()) => match silence.expired() {
                 Silent::Probe => {
                     probe.notify_one();
@@ -400,9 +479,11 @@ async fn source_loop(
         silence.heard();
         let item = match ev {
             Ok(Some(ReplicationEvent::Begin {
-                commit_time_micros, ..
+                commit_time_micros,
+                xid,
+                final_lsn,
             })) => {
-                decoder.begin(commit_time_micros);
+                decoder.begin_tx(commit_time_micros, xid, final_lsn.into());
                 SinkItem::Begin {
                     commit_time_us: commit_time_micros.saturating_add(PG_EPOCH_OFFSET_US),
                 }

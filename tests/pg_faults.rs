@@ -329,6 +329,18 @@ async fn a_stalled_walsender_is_noticed() {
     assert_eq!(http_status(&addr, "/readyz").await, 200);
 
     let walsender = fx.slot_active_pid(&pg).await.expect("the relay streams");
+    assert!(
+        !relay.log_text().contains("silent for"),
+        "a stall before the fault"
+    );
+    // SIGCONT however this test ends: the server is shared.
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            signal(self.0, "CONT");
+        }
+    }
+    let cont = Cont(walsender as u32);
     signal(walsender as u32, "STOP");
     let stopped = Instant::now();
     let during = fx
@@ -337,7 +349,7 @@ async fn a_stalled_walsender_is_noticed() {
     let noticed = relay.wait_log("silent for", Duration::from_secs(30)).await;
     let took = stopped.elapsed();
     let readyz = http_status(&addr, "/readyz").await;
-    signal(walsender as u32, "CONT");
+    drop(cont);
     assert!(noticed, "the stall was not noticed:\n{}", relay.log_tail());
     println!(
         "stalled walsender noticed after {:.1}s (wal_sender_timeout 4s)",

@@ -226,7 +226,18 @@ async fn sigterm_while_standing_by_or_reconnecting_exits_zero() {
     );
     std::fs::write(&fx.config, &hanging).unwrap();
     let mut relay = fx.spawn_relay();
-    let (_sock, _) = silent.accept().unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let end = Instant::now() + Duration::from_secs(30);
+    let _sock = loop {
+        match silent.accept() {
+            Ok((sock, _)) => break sock,
+            Err(_) if Instant::now() < end => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => panic!(
+                "the relay never reached the silent broker ({e}):\n{}",
+                relay.log_tail()
+            ),
+        }
+    };
     signal(relay.pid(), "TERM");
     let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(10));
     assert!(status.success(), "connecting: {status}\n{log}");

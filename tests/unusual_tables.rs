@@ -132,8 +132,39 @@ async fn a_rename_while_streaming_loses_no_row() {
     )
     .await;
     assert!(
-        relay.wait_log("renamed", Duration::from_secs(5)).await,
+        relay
+            .wait_log("the outbox table was renamed", Duration::from_secs(5))
+            .await,
         "the rename was not logged:\n{}",
+        relay.log_tail()
+    );
+
+    // A reconnect (the walsender terminated) keeps following it.
+    let walsender = fx_walsender(&f, &pg).await;
+    pg.execute("SELECT pg_terminate_backend($1)", &[&walsender])
+        .await
+        .unwrap();
+    let later: String = pg
+        .query_one(
+            &format!(
+                "INSERT INTO {renamed} (aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ('order', 'o-3', 'billed', '{{}}') RETURNING id::text"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    f.collect_until(
+        &[later],
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    assert!(
+        relay.log_text().matches("streaming from LSN").count() >= 2,
+        "no reconnect happened:\n{}",
         relay.log_tail()
     );
     let (status, log) = relay.sigterm();
@@ -186,8 +217,20 @@ async fn an_insert_into_another_published_table_stops_the_relay() {
     let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
     assert!(!status.success(), "{log}");
     assert!(
-        log.contains(&other) && log.contains("not the outbox table"),
+        log.contains(&other)
+            && log.contains("not the outbox table")
+            && log.contains("pg_replication_slot_advance")
+            && log.contains("xmin"),
         "{log}"
+    );
+    // check says so before a relay runs into it.
+    let out = f.relay_cmd("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        stdout.lines().any(|l| l.starts_with("FAIL publication")
+            && l.contains("also publishes")
+            && l.contains(&other)),
+        "{stdout}"
     );
     let late = f.drain_for(Duration::from_millis(500)).await;
     assert!(
@@ -265,4 +308,15 @@ async fn a_two_phase_slot_is_refused() {
         "{stdout}"
     );
     f.cleanup().await;
+}
+
+/// The pid of the walsender streaming the fixture's slot.
+async fn fx_walsender(f: &Fixture, pg: &tokio_postgres::Client) -> i32 {
+    for _ in 0..100 {
+        if let Some(pid) = f.slot_active_pid(pg).await {
+            return pid;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no walsender streams {}", f.slot);
 }

@@ -115,8 +115,8 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
         SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
     })?;
     // TCP keepalives notice a dead host or path on a quiet connection
-    // (about 30 s), unless the URL chose its own.
-    if !url.contains("keepalives") {
+    // (about 30 s), unless the URL chose its own idle time.
+    if pg.get_keepalives_idle() == tokio_postgres::Config::new().get_keepalives_idle() {
         pg.keepalives(true)
             .keepalives_idle(Duration::from_secs(15))
             .keepalives_interval(Duration::from_secs(5))

@@ -4,11 +4,14 @@
 //!
 //! A quiet database may legitimately send nothing for a long time (the
 //! relay reports its position every second, so the walsender need not ask
-//! for one). So silence is first answered with a probe: a non-transactional
-//! `pg_logical_emit_message` over the SQL connection, which a live
-//! walsender decodes and sends at once. Silence for half of the limit sends
-//! the probe; silence for the whole limit ends the session (transient: the
-//! next session reconnects, and replays from the slot).
+//! for one), and so may a busy walsender reading WAL that has nothing for
+//! the relay. So the side of the session that holds the SQL connection
+//! watches the walsender's `sent_lsn` (moving: alive), and silence is
+//! answered with a probe: a non-transactional `pg_logical_emit_message`,
+//! which a live walsender decodes and sends at once. Silence for half of
+//! the limit sends the probe; silence for the whole limit, with `sent_lsn`
+//! standing still, ends the session (transient: the next session
+//! reconnects, and replays from the slot).
 //!
 //! The limit is the server's `wal_sender_timeout`, the time after which the
 //! server itself gives up on a silent client (between 2 s and 10 min; 60 s
@@ -29,8 +32,26 @@ const DEFAULT_LIMIT: Duration = Duration::from_secs(60);
 const MIN_LIMIT: Duration = Duration::from_secs(2);
 const MAX_LIMIT: Duration = Duration::from_secs(600);
 
-/// The logical message prefix of the probe (the relay ignores messages).
-pub const PROBE_SQL: &str = "SELECT pg_logical_emit_message(false, 'outbox-relay-probe', '')";
+/// The probe: a non-transactional logical message (the relay ignores
+/// messages), sent on by the walsender as soon as its WAL is flushed. A
+/// non-transactional message does not flush WAL by itself, so the same
+/// statement takes a transaction id: its commit flushes the probe with it
+/// (pgoutput skips the empty transaction).
+pub const PROBE_SQL: &str =
+    "SELECT pg_logical_emit_message(false, 'outbox-relay-probe', ''), txid_current()";
+
+/// How far the slot's walsender has read WAL (`pg_stat_replication.
+/// sent_lsn`). It moves while the walsender works through WAL that produces
+/// no output for the relay (other tables' transactions, catching up after a
+/// downtime), during which the stream itself can be silent for longer than
+/// the limit: a moving `sent_lsn` counts as hearing from the stream.
+pub const SENT_LSN_SQL: &str = "SELECT r.sent_lsn::text FROM pg_replication_slots s \
+     JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1";
+
+/// How often `sent_lsn` is read: a quarter of the limit, within 1 to 5 s.
+pub fn progress_every(limit: Duration) -> Duration {
+    (limit / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
+}
 
 /// What to do when [`Silence::deadline`] passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

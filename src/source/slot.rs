@@ -126,7 +126,16 @@ pub async fn require_logical_wal(client: &Client, cfg: &Config) -> Result<(), So
 /// The relation ids of the outbox table and its partitions, read when a
 /// session starts: the decoder recognises the outbox by them (and by name),
 /// so a RENAME while streaming is followed rather than skipped.
-pub async fn outbox_oids(client: &Client, cfg: &Config) -> Result<OutboxOids, SourceError> {
+///
+/// When the name no longer resolves but this process followed the table
+/// by its id (`known`, a RENAME seen while streaming), the id is kept, so a
+/// reconnect does not lose the table; a restart needs `outbox.table`
+/// updated.
+pub async fn outbox_oids(
+    client: &Client,
+    cfg: &Config,
+    known: Option<&OutboxOids>,
+) -> Result<OutboxOids, SourceError> {
     let table = &cfg.outbox.table;
     // pg_partition_tree lists nothing for a table that is not partitioned.
     let row = client
@@ -139,16 +148,96 @@ pub async fn outbox_oids(client: &Client, cfg: &Config) -> Result<OutboxOids, So
         )
         .await
         .map_err(sql_err(&cfg.postgres, "looking up the outbox table"))?;
-    let Some(row) = row else {
-        return Err(SourceError::Setup(format!(
-            "outbox table {table} does not exist (outbox.table); if it was renamed, set \
-             outbox.table to its new name"
-        )));
+    if let Some(row) = row {
+        return Ok(OutboxOids {
+            root: row.get(0),
+            partitions: row.get(1),
+        });
+    }
+    if let Some(known) = known {
+        let renamed: Option<String> = client
+            .query_opt(
+                "SELECT oid::regclass::text FROM pg_class WHERE oid = $1",
+                &[&known.root],
+            )
+            .await
+            .map_err(sql_err(&cfg.postgres, "looking up the outbox table"))?
+            .map(|r| r.get(0));
+        if let Some(now) = renamed {
+            tracing::warn!(
+                table = %now,
+                configured = %table,
+                "the outbox table was renamed; following it by its relation id until the relay \
+                 restarts (update outbox.table)"
+            );
+            return Ok(known.clone());
+        }
+    }
+    Err(SourceError::Setup(format!(
+        "outbox table {table} does not exist (outbox.table); if it was renamed, set \
+         outbox.table to its new name"
+    )))
+}
+
+/// Whether the publication publishes inserts, and covers the outbox table
+/// (listed itself, or through its partitions); `None`: no publication.
+async fn publication_state(
+    client: &Client,
+    cfg: &Config,
+    root: u32,
+) -> Result<Option<(bool, bool)>, SourceError> {
+    let pg = &cfg.postgres;
+    let Some(row) = client
+        .query_opt(
+            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
+            &[&pg.publication],
+        )
+        .await
+        .map_err(sql_err(pg, "reading pg_publication"))?
+    else {
+        return Ok(None);
     };
-    Ok(OutboxOids {
-        root: row.get(0),
-        partitions: row.get(1),
-    })
+    let covers = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables pt \
+             JOIN pg_namespace n ON n.nspname = pt.schemaname \
+             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+             WHERE pt.pubname = $1 AND (c.oid = $2 OR c.oid IN ( \
+               SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t)) LIMIT 1",
+            &[&pg.publication, &root],
+        )
+        .await
+        .map_err(sql_err(pg, "reading pg_publication_tables"))?;
+    Ok(Some((row.get(0), covers.is_some())))
+}
+
+/// `run` streams only when the publication still publishes the outbox's
+/// inserts: a table dropped and created again is no longer in a `FOR
+/// TABLE` publication, and its rows would never be decoded while the slot
+/// moved on.
+pub async fn require_publication(
+    client: &Client,
+    cfg: &Config,
+    oids: &OutboxOids,
+) -> Result<(), SourceError> {
+    let pg = &cfg.postgres;
+    let table = &cfg.outbox.table;
+    match publication_state(client, cfg, oids.root).await? {
+        Some((true, true)) => Ok(()),
+        None => Err(SourceError::Setup(format!(
+            "publication {:?} does not exist (postgres.publication); run `outbox-relay setup`",
+            pg.publication
+        ))),
+        Some(_) => Err(SourceError::Setup(format!(
+            "publication {:?} does not publish inserts into {table} (was the table dropped and \
+             created again?); run: ALTER PUBLICATION {} ADD TABLE {}; ALTER PUBLICATION {} SET \
+             (publish = 'insert'), then `outbox-relay recover` if rows were written meanwhile",
+            pg.publication,
+            quote_ident(&pg.publication),
+            table.quoted(),
+            quote_ident(&pg.publication),
+        ))),
+    }
 }
 
 /// What `setup` did.
@@ -178,14 +267,8 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
         )));
     }
 
-    let publication = client
-        .query_opt(
-            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
-            &[&pg.publication],
-        )
-        .await
-        .map_err(sql_err(pg, "reading pg_publication"))?;
-    match publication {
+    let root = outbox_oids(client, cfg, None).await?.root;
+    match publication_state(client, cfg, root).await? {
         None => {
             let sql = format!(
                 "CREATE PUBLICATION {} FOR TABLE {} \
@@ -199,33 +282,16 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
                 .map_err(sql_err(pg, "creating the publication"))?;
             report.created_publication = true;
         }
-        Some(row) => {
-            let inserts: bool = row.get(0);
-            // A partitioned table is covered when the publication lists it
-            // (published via its root) or its partitions.
-            let covers = client
-                .query_opt(
-                    "SELECT 1 FROM pg_publication_tables pt \
-                     JOIN pg_namespace n ON n.nspname = pt.schemaname \
-                     JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
-                     JOIN pg_namespace rn ON rn.nspname = $2 \
-                     JOIN pg_class r ON r.relnamespace = rn.oid AND r.relname = $3 \
-                     WHERE pt.pubname = $1 AND (c.oid = r.oid OR c.oid IN ( \
-                       SELECT t.relid FROM pg_partition_tree(r.oid) t)) LIMIT 1",
-                    &[&pg.publication, &table.schema, &table.name],
-                )
-                .await
-                .map_err(sql_err(pg, "reading pg_publication_tables"))?;
-            if !inserts || covers.is_none() {
-                return Err(SourceError::Setup(format!(
-                    "publication {:?} exists but does not publish inserts into {table} (postgres.publication); \
-                     drop it or run: ALTER PUBLICATION {} ADD TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
-                    pg.publication,
-                    quote_ident(&pg.publication),
-                    table.quoted(),
-                    quote_ident(&pg.publication),
-                )));
-            }
+        Some((true, true)) => {}
+        Some(_) => {
+            return Err(SourceError::Setup(format!(
+                "publication {:?} exists but does not publish inserts into {table} (postgres.publication); \
+                 drop it or run: ALTER PUBLICATION {} ADD TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
+                pg.publication,
+                quote_ident(&pg.publication),
+                table.quoted(),
+                quote_ident(&pg.publication),
+            )));
         }
     }
 
