@@ -16,6 +16,7 @@
 //! so the next session replays it from the slot: recovery needs no state of
 //! its own beyond the slot.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,9 +121,36 @@ pub async fn run(
     // The outbox as this process has known it: a RENAME followed by its
     // relation id stays followed across reconnects.
     let mut known: Option<OutboxOids> = None;
+    // Exchanges a templated rabbitmq.exchange rendered to and the broker
+    // does not have: the next session dead-letters their events.
+    let mut missing: HashSet<String> = HashSet::new();
     loop {
         let mut progressed = false;
-        match session(cfg, &shutdown, metrics, &mut progressed, &mut known).await {
+        let r = session(
+            cfg,
+            &shutdown,
+            metrics,
+            &mut progressed,
+            (&mut known, &mut missing),
+        )
+        .await;
+        let r = match r {
+            Err(RelayError::Sink(e)) if e.missing_exchange().is_some() => {
+                let exchange = e.missing_exchange().unwrap_or_default();
+                if cfg.rabbitmq.dead_letter_exchange.as_deref() == Some(exchange.as_str())
+                    || cfg.rabbitmq.exchange.as_literal().is_some()
+                {
+                    // Nothing to dead-letter to, or no template at all: the
+                    // operator must declare it.
+                    return Err(RelayError::Sink(SinkError::NoExchange(exchange)));
+                }
+                warn!(%exchange, "the broker has no such exchange; its events will be dead-lettered");
+                missing.insert(exchange);
+                Err(RelayError::Sink(e))
+            }
+            other => other,
+        };
+        match r {
             Ok(lsn) => return Ok(lsn),
             // A failure the stop itself caused (a connection cut short).
             Err(e) if e.is_transient() && shutdown.is_cancelled() => {
@@ -180,7 +208,7 @@ async fn session(
     shutdown: &CancellationToken,
     metrics: &Metrics,
     progressed: &mut bool,
-    known: &mut Option<OutboxOids>,
+    (known, missing): (&mut Option<OutboxOids>, &mut HashSet<String>),
 ) -> Result<Option<Lsn>, RelayError> {
     // Connecting can take a while (each step has its deadline): a stop asked
     // for meanwhile ends it at once, with nothing in flight.
@@ -203,8 +231,19 @@ async fn session(
             silence::limit(&sql, &cfg.postgres),
         )
         .await?;
-        let sink = AmqpSink::connect(&cfg.rabbitmq).await?;
+        let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
         info!("connected to RabbitMQ");
+        // An exchange declared since it was found missing is used again.
+        for exchange in missing.clone() {
+            match sink.check_exchange(&exchange).await {
+                Ok(()) => {
+                    info!(%exchange, "the exchange exists now");
+                    missing.remove(&exchange);
+                }
+                Err(SinkError::NoExchange(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
         let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
         Ok::<_, RelayError>((sql, start, oids, silence_limit, sink, repl))
     };
@@ -259,7 +298,7 @@ async fn session(
             &mut sink,
             items_rx,
             &wm_tx,
-            &cfg.rabbitmq,
+            (&cfg.rabbitmq, &*missing),
             start,
             metrics,
             &stop,

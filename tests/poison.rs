@@ -357,3 +357,54 @@ async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on(
     assert!(status.success(), "{log}");
     fx.cleanup().await;
 }
+
+/// A templated exchange that renders to a name the broker does not have:
+/// the broker closes the channel (404), the session ends, and the next one
+/// dead-letters the events bound for that exchange while the others flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_templated_exchange_that_does_not_exist_is_dead_lettered() {
+    let mut fx = Fixture::new("noexchange").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    let routed = format!("{}_order", fx.exchange);
+    fx.declare_bound(&routed, Some(&fx.queue), "#").await;
+    dl_config(&fx, "");
+    let text = std::fs::read_to_string(&fx.config).unwrap().replace(
+        &format!("exchange = \"{}\"", fx.exchange),
+        &format!("exchange = \"{}_{{aggregate_type}}\"", fx.exchange),
+    );
+    std::fs::write(&fx.config, text).unwrap();
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+
+    let first = fx
+        .insert(&pg, "order", "o1", "placed", &serde_json::json!({}))
+        .await;
+    let lost = fx
+        .insert(&pg, "nowhere", "n1", "placed", &serde_json::json!({"n": 1}))
+        .await;
+    let after = fx
+        .insert(&pg, "order", "o2", "placed", &serde_json::json!({}))
+        .await;
+
+    let dl = recv_one(&mut dlq, "dead letter", &relay).await;
+    assert_eq!(dl.message_id(), lost);
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(
+        err.contains("does not exist") && err.contains("nowhere"),
+        "{err}"
+    );
+    assert_eq!(dl.json(), serde_json::json!({"n": 1}));
+    fx.collect_until(
+        &[first, after],
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+    fx.cleanup().await;
+}

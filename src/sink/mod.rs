@@ -94,9 +94,30 @@ pub enum SinkError {
 }
 
 impl SinkError {
+    /// The exchange the broker said does not exist, when a publish to it
+    /// closed the channel (404 NOT_FOUND "no exchange 'X' in vhost 'V'"): a
+    /// templated exchange that renders to a name nobody declared.
+    pub fn missing_exchange(&self) -> Option<String> {
+        let SinkError::Amqp {
+            source: WireError::ChannelClosed { code: 404, text },
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let rest = text.split_once("no exchange '")?.1;
+        let end = rest.rfind("' in vhost")?;
+        Some(rest[..end].to_owned())
+    }
+
     /// True when retrying later may succeed (connection trouble, a broker
     /// restart, a nack); false when the operator must change something.
+    /// A missing exchange met while publishing is transient: the next
+    /// session dead-letters the events bound for it.
     pub fn is_transient(&self) -> bool {
+        if self.missing_exchange().is_some() {
+            return true;
+        }
         match self {
             SinkError::Amqp { source, .. } => source.is_transient(),
             SinkError::NoExchange(_)

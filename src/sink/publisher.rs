@@ -6,6 +6,7 @@
 //! dead-lettering, so its transaction becomes durable only once the broker
 //! took *some* copy of it: on its exchange, or on the dead-letter exchange.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -208,6 +209,9 @@ struct Publisher<'a> {
     /// Re-publishes waiting for their delay.
     retries: FuturesUnordered<Retry>,
     clock: ConfirmClock,
+    /// Exchanges the broker said do not exist (templated exchanges): events
+    /// bound for them are dead-lettered instead of closing the channel.
+    missing: &'a HashSet<String>,
 }
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
@@ -300,6 +304,23 @@ impl Publisher<'_> {
                 }));
             }
         };
+        if !self.missing.is_empty() {
+            let exchange = m.exchange.parts().concat();
+            if self.missing.contains(&exchange) {
+                let reason = format!(
+                    "exchange {exchange:?} does not exist on the broker (404 NOT_FOUND); declare \
+                     it, or fix rabbitmq.exchange"
+                );
+                let Some(dlx) = &self.cfg.dead_letter_exchange else {
+                    return Err(RelayError::Undeliverable {
+                        id: m.message_id.to_owned(),
+                        reason,
+                    });
+                };
+                error!(event_id = %m.message_id, %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+                return Ok(Err(m.to_envelope().dead_letter(dlx, &reason, 0)));
+            }
+        }
         if m.body.len() > self.cfg.max_message_bytes {
             let limit = self.cfg.max_message_bytes;
             let Some(dlx) = &self.cfg.dead_letter_exchange else {
@@ -463,7 +484,7 @@ pub async fn run(
     sink: &mut AmqpSink,
     mut items: mpsc::Receiver<SinkItem>,
     watermark: &watch::Sender<Progress>,
-    cfg: &RabbitmqConfig,
+    (cfg, missing): (&RabbitmqConfig, &HashSet<String>),
     start: Lsn,
     metrics: &Metrics,
     stop: &CancellationToken,
@@ -485,6 +506,7 @@ pub async fn run(
         settled: Vec::new(),
         retries: FuturesUnordered::new(),
         clock: ConfirmClock::new(),
+        missing,
     };
     let window = cfg.window as u64;
     let mut open = true;
