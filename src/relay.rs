@@ -103,6 +103,9 @@ const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
 const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
 /// The checkpoint table is written at most this often.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// 404s for one exchange name before the relay stops instead of starting
+/// another session that would dead-letter its events.
+const MISSING_EXCHANGE_STRIKES: u32 = 3;
 /// Deadline of each SQL call beside the stream.
 const SQL_DEADLINE: Duration = Duration::from_secs(10);
 /// Retained WAL is polled this often for the metric.
@@ -124,6 +127,9 @@ pub async fn run(
     // Exchanges a templated rabbitmq.exchange rendered to and the broker
     // does not have: the next session dead-letters their events.
     let mut missing: HashSet<String> = HashSet::new();
+    // 404s per exchange name: the same name coming back (the broker and the
+    // relay disagree on it) must not loop sessions forever.
+    let mut strikes: std::collections::HashMap<String, u32> = Default::default();
     loop {
         let mut progressed = false;
         let r = session(
@@ -137,8 +143,12 @@ pub async fn run(
         let r = match r {
             Err(RelayError::Sink(e)) if e.missing_exchange().is_some() => {
                 let exchange = e.missing_exchange().unwrap_or_default();
+                let strike = strikes.entry(exchange.clone()).or_default();
+                *strike += 1;
                 if cfg.rabbitmq.dead_letter_exchange.as_deref() == Some(exchange.as_str())
                     || cfg.rabbitmq.exchange.as_literal().is_some()
+                    || cfg.rabbitmq.dead_letter_exchange.is_none()
+                    || *strike > MISSING_EXCHANGE_STRIKES
                 {
                     // Nothing to dead-letter to, or no template at all: the
                     // operator must declare it.

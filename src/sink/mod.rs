@@ -412,6 +412,31 @@ impl<T> Unconfirmed<T> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_missing_exchange_is_read_from_the_404() {
+        let closed = |code, text: &str| SinkError::Amqp {
+            what: "publishing",
+            url: String::new(),
+            source: WireError::ChannelClosed {
+                code,
+                text: text.to_owned(),
+            },
+        };
+        let e = closed(404, "NOT_FOUND - no exchange 'ex_it's' in vhost '/'");
+        assert_eq!(e.missing_exchange().as_deref(), Some("ex_it's"));
+        assert!(e.is_transient());
+        // Cut short by the broker (255 bytes): not guessed at, so permanent.
+        let e = closed(404, "NOT_FOUND - no exchange 'a-very-long-na...");
+        assert_eq!(e.missing_exchange(), None);
+        assert!(!e.is_transient());
+        let e = closed(404, "NOT_FOUND - no queue 'q' in vhost '/'");
+        assert_eq!(e.missing_exchange(), None);
+        assert_eq!(
+            closed(406, "no exchange 'x' in vhost '/'").missing_exchange(),
+            None
+        );
+    }
+
     use super::*;
 
     #[allow(clippy::ptr_arg)] // the item type is String

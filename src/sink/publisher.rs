@@ -216,6 +216,44 @@ struct Publisher<'a> {
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
 
+/// Longest `x-outbox-*` header text kept when a dead letter must shrink.
+const DEAD_LETTER_TEXT_MAX: usize = 1024;
+
+/// A dead letter the broker will take: its body within `max_body` (else
+/// dropped, its size kept in `x-outbox-body-bytes`), its properties within
+/// one frame (else only the `x-outbox-*` headers are kept, each cut to
+/// [`DEAD_LETTER_TEXT_MAX`]). A dead letter the broker refused would be
+/// replayed forever.
+fn fit_dead_letter(mut env: Envelope, frame_max: u32, max_body: usize) -> Envelope {
+    use lapin::types::{AMQPValue, FieldTable};
+    if env.body.len() > max_body {
+        env = env.without_body();
+    }
+    let fits = |e: &Envelope| super::wire::header_frame_len(&e.properties) <= frame_max as usize;
+    if fits(&env) {
+        return env;
+    }
+    let mut kept = FieldTable::default();
+    if let Some(headers) = env.properties.headers() {
+        for (k, v) in headers.inner() {
+            if !k.as_str().starts_with("x-outbox-") {
+                continue;
+            }
+            let v = match v {
+                AMQPValue::LongString(s) if s.as_bytes().len() > DEAD_LETTER_TEXT_MAX => {
+                    let text = String::from_utf8_lossy(&s.as_bytes()[..DEAD_LETTER_TEXT_MAX]);
+                    AMQPValue::LongString(format!("{text}...").into())
+                }
+                other => other.clone(),
+            };
+            kept.insert(k.clone(), v);
+        }
+    }
+    kept.insert("x-outbox-headers-dropped".into(), AMQPValue::Boolean(true));
+    env.properties = env.properties.with_headers(kept);
+    env
+}
+
 impl Publisher<'_> {
     fn advance(&self, lsn: Option<Lsn>) {
         if let Some(lsn) = lsn {
@@ -423,6 +461,11 @@ impl Publisher<'_> {
         mut f: InFlight,
         env: Envelope,
     ) -> Result<(), RelayError> {
+        let env = if f.is_dead_letter() {
+            fit_dead_letter(env, sink.frame_max(), self.cfg.max_message_bytes)
+        } else {
+            env
+        };
         f.published_at = Instant::now();
         let tag = sink.publish(env)?;
         self.unconfirmed.push(tag, f);
@@ -601,6 +644,58 @@ pub async fn run(
 
 #[cfg(test)]
 mod tests {
+
+    /// A dead letter too big for a frame keeps only its x-outbox-* headers,
+    /// cut short; one with a body over the limit goes without it.
+    #[test]
+    fn dead_letters_are_made_to_fit() {
+        use lapin::BasicProperties;
+        use lapin::types::{AMQPValue, FieldTable};
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "pad".into(),
+            AMQPValue::LongString("p".repeat(200_000).into()),
+        );
+        let env = Envelope {
+            exchange: "ex".into(),
+            routing_key: "rk".into(),
+            body: bytes::Bytes::from(vec![b'x'; 5000]),
+            properties: BasicProperties::default()
+                .with_message_id("id".into())
+                .with_headers(headers),
+        };
+        let dl = env.dead_letter("dlx", &"why ".repeat(1000), 1);
+        let fitted = fit_dead_letter(dl, 131_072, 4096);
+        assert!(super::super::wire::header_frame_len(&fitted.properties) <= 131_072);
+        assert!(fitted.body.is_empty());
+        let h = fitted.properties.headers().clone().unwrap();
+        assert!(h.inner().get("pad").is_none());
+        assert!(matches!(
+            h.inner().get("x-outbox-headers-dropped"),
+            Some(AMQPValue::Boolean(true))
+        ));
+        assert!(matches!(
+            h.inner().get("x-outbox-body-bytes"),
+            Some(AMQPValue::LongLongInt(5000))
+        ));
+        match h.inner().get("x-outbox-error") {
+            Some(AMQPValue::LongString(s)) => {
+                assert!(s.as_bytes().len() <= DEAD_LETTER_TEXT_MAX + 3)
+            }
+            other => panic!("{other:?}"),
+        }
+        // A small one is left as it is.
+        let small = Envelope {
+            exchange: "ex".into(),
+            routing_key: "rk".into(),
+            body: bytes::Bytes::from_static(b"{}"),
+            properties: BasicProperties::default(),
+        }
+        .dead_letter("dlx", "why", 1);
+        let same = fit_dead_letter(small.clone(), 131_072, 4096);
+        assert_eq!(same.properties, small.properties);
+        assert_eq!(same.body, small.body);
+    }
     use super::*;
 
     #[tokio::test(start_paused = true)]

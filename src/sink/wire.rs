@@ -759,6 +759,20 @@ fn encode_envelope(buf: Vec<u8>, frame_max: u32, env: Envelope) -> Result<Vec<u8
 }
 
 /// `frame` appended to `buf` by amq-protocol's encoder.
+/// The encoded size of the content-header frame `properties` make (frame
+/// overhead included): what must fit in `frame_max`.
+pub fn header_frame_len(properties: &lapin::BasicProperties) -> usize {
+    let frame = AMQPFrame::Header(
+        PUBLISH_CHANNEL,
+        AMQPContentHeader {
+            class_id: CLASS_BASIC,
+            body_size: 0,
+            properties: properties.clone(),
+        },
+    );
+    encode_frame(Vec::new(), &frame).map_or(usize::MAX, |b| b.len())
+}
+
 fn encode_frame(buf: Vec<u8>, frame: &AMQPFrame) -> Result<Vec<u8>, WireError> {
     gen_frame(frame)(WriteContext::from(buf))
         .map(|ctx| ctx.write)
@@ -961,6 +975,42 @@ mod tests {
             encode_view(&mut direct, frame_max, &m);
             let reference = encode_envelope(b"before".to_vec(), frame_max, m.to_envelope()).unwrap();
             prop_assert_eq!(direct, reference);
+            // The bound the publisher checks against frame_max is one.
+            prop_assert!(m.header_bytes() >= header_frame_len(&m.to_envelope().properties));
+        }
+
+        /// With a headers column (strings, numbers, nested values, CC), the
+        /// bound still holds.
+        #[test]
+        fn header_bytes_bounds_the_header_frame(
+            keys in proptest::collection::vec("[a-zA-Z_-]{1,40}", 0..12),
+            texts in proptest::collection::vec("\\PC{0,200}", 12),
+            aggregate_id in "\\PC{0,300}",
+        ) {
+            let mut headers = FieldTable::default();
+            for (i, k) in keys.iter().enumerate() {
+                let v = match i % 5 {
+                    0 => AMQPValue::LongString(texts[i].as_str().into()),
+                    1 => AMQPValue::LongLongInt(i as i64),
+                    2 => AMQPValue::Double(i as f64 / 3.0),
+                    3 => AMQPValue::Boolean(i % 2 == 0),
+                    _ => AMQPValue::FieldArray(vec![AMQPValue::LongString(texts[i].as_str().into())].into()),
+                };
+                headers.insert(k.as_str().into(), v);
+            }
+            let m = MessageView {
+                exchange: Name::literal("ex"),
+                routing_key: Name::literal("rk"),
+                body: bytes::Bytes::new(),
+                message_id: "id",
+                event_type: "type",
+                content_type: "application/json",
+                timestamp: 1,
+                aggregate_type: "order",
+                aggregate_id: &aggregate_id,
+                headers: Some(headers),
+            };
+            prop_assert!(m.header_bytes() >= header_frame_len(&m.to_envelope().properties));
         }
     }
 
