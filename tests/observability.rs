@@ -11,19 +11,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-async fn http_get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    let code = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
-    (code, body)
-}
 
 /// Value of the first sample whose line starts with `prefix`.
 fn sample(metrics: &str, prefix: &str) -> f64 {

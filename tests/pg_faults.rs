@@ -326,7 +326,7 @@ async fn a_stalled_walsender_is_noticed() {
         .and_then(|s| s.split_whitespace().next())
         .expect("the relay logs its HTTP address")
         .to_owned();
-    assert_eq!(http_status(&addr, "/readyz").await, 200);
+    assert_eq!(http_get(&addr, "/readyz").await.0, 200);
 
     let walsender = fx.slot_active_pid(&pg).await.expect("the relay streams");
     assert!(
@@ -348,7 +348,7 @@ async fn a_stalled_walsender_is_noticed() {
         .await;
     let noticed = relay.wait_log("silent for", Duration::from_secs(30)).await;
     let took = stopped.elapsed();
-    let readyz = http_status(&addr, "/readyz").await;
+    let readyz = http_get(&addr, "/readyz").await.0;
     drop(cont);
     assert!(noticed, "the stall was not noticed:\n{}", relay.log_tail());
     println!(
@@ -372,16 +372,4 @@ async fn a_stalled_walsender_is_noticed() {
     pg.batch_execute(&format!("DROP ROLE {role}"))
         .await
         .unwrap();
-}
-
-/// The status code of a GET.
-async fn http_status(addr: &str, path: &str) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    buf.split_whitespace().nth(1).unwrap().parse().unwrap()
 }

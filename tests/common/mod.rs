@@ -1390,3 +1390,17 @@ pub fn pg_bin() -> PathBuf {
         .expect("a PostgreSQL version with initdb")
         .join("bin")
 }
+
+/// `GET path` over HTTP/1.0: the status code and the body.
+pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let code = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (code, body)
+}
