@@ -408,3 +408,77 @@ async fn a_templated_exchange_that_does_not_exist_is_dead_lettered() {
     assert!(status.success(), "{log}");
     fx.cleanup().await;
 }
+
+/// A message the broker nacks again and again (a full queue with
+/// `x-overflow = reject-publish` that nobody drains) is dead-lettered after
+/// a bounded number of attempts, and the events behind it flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_nacked_again_and_again_is_dead_lettered() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    let mut fx = Fixture::new("nacked").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    fx.rebind_queue("ok.#").await;
+    let full = fx.scoped("full");
+    let ch = fx.amqp.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(1));
+    args.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(full.as_str().into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    ch.queue_bind(
+        full.as_str().into(),
+        fx.exchange.as_str().into(),
+        "full.#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    fx.set_config_extra(
+        &format!(
+            "dead_letter_exchange = \"{}\"\nretry_backoff_ms = 5",
+            fx.scoped("dlx")
+        ),
+        "",
+    );
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+
+    let fills = fx
+        .insert(&pg, "full", "f1", "e", &serde_json::json!({}))
+        .await;
+    let rejected = fx
+        .insert(&pg, "full", "f2", "e", &serde_json::json!({"n": 2}))
+        .await;
+    let after = fx
+        .insert(&pg, "ok", "o1", "e", &serde_json::json!({}))
+        .await;
+
+    let dl = recv_one(&mut dlq, "dead letter", &relay).await;
+    assert_eq!(dl.message_id(), rejected);
+    assert_ne!(dl.message_id(), fills);
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(err.contains("nacked") && err.contains("10 times"), "{err}");
+    assert_eq!(dl.json(), serde_json::json!({"n": 2}));
+    fx.collect_until(
+        std::slice::from_ref(&after),
+        Duration::from_secs(30),
+        Duration::ZERO,
+        Some(&relay),
+    )
+    .await;
+    let (status, log) = relay.sigterm();
+    assert!(status.success(), "{log}");
+    let _ = ch
+        .queue_delete(full.as_str().into(), Default::default())
+        .await;
+    fx.cleanup().await;
+}

@@ -216,6 +216,12 @@ struct Publisher<'a> {
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
 
+/// Publishes of a message the broker keeps nacking before it is
+/// dead-lettered: with the doubling backoff (capped at 30 s) about two
+/// minutes at the default `retry_backoff_ms`, long enough for a queue to
+/// drain, short enough that one message cannot hold the stream.
+const NACK_ATTEMPTS: u32 = 10;
+
 /// Longest `x-outbox-*` header text kept when a dead letter must shrink.
 const DEAD_LETTER_TEXT_MAX: usize = 1024;
 
@@ -439,6 +445,24 @@ impl Publisher<'_> {
             }
             Err(SinkError::Nacked { id }) => {
                 f.attempts += 1;
+                if f.attempts >= NACK_ATTEMPTS {
+                    let reason = format!(
+                        "nacked by the broker {} times (e.g. a full queue with x-overflow = \
+                         reject-publish)",
+                        f.attempts
+                    );
+                    if f.is_dead_letter() {
+                        return Err(SinkError::DeadLetterRefused {
+                            id,
+                            exchange: self.cfg.dead_letter_exchange.clone().unwrap_or_default(),
+                            reason,
+                        }
+                        .into());
+                    }
+                    let env = f.envelope()?;
+                    let dl = self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
+                    return Ok(Some((Duration::ZERO, dl)));
+                }
                 self.metrics
                     .retries
                     .get_or_create(&ReasonLabel {
