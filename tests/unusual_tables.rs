@@ -257,6 +257,11 @@ async fn an_unusual_publication_name_is_sent_quoted() {
         &format!("publication = \"{odd}\""),
     );
     std::fs::write(&f.config, text).unwrap();
+    // pgoutput looks publications up as of the WAL it decodes: the slot
+    // must be made after the publication, as `setup` does.
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&f.slot])
+        .await
+        .unwrap();
     let out = f.relay_cmd("setup").output().unwrap();
     assert!(
         out.status.success(),
