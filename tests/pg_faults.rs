@@ -312,13 +312,7 @@ async fn a_stalled_walsender_is_noticed() {
     let first = fx
         .insert(&pg, "order", "o-1", "placed", &serde_json::json!({}))
         .await;
-    fx.collect_until(
-        &[first],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(&[first], &relay).await;
     let addr = relay
         .log_text()
         .split("addr=")
@@ -366,8 +360,7 @@ async fn a_stalled_walsender_is_noticed() {
         Some(&relay),
     )
     .await;
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    relay.stop_ok();
     fx.cleanup().await;
     pg.batch_execute(&format!("DROP ROLE {role}"))
         .await

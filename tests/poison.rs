@@ -185,13 +185,8 @@ async fn null_column_and_oversized_body_are_dead_lettered() {
         matches!(big_dl.header("x-outbox-body-bytes"), Some(AMQPValue::LongLongInt(n)) if n > 5000)
     );
 
-    fx.collect_until(
-        std::slice::from_ref(&fine),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(std::slice::from_ref(&fine), &relay)
+        .await;
     relay.sigterm();
     fx.cleanup().await;
 }
@@ -219,13 +214,8 @@ async fn without_a_dead_letter_exchange_the_relay_stops_and_drops_nothing() {
 
     fx.rebind_queue("#").await;
     let relay = fx.spawn_relay();
-    fx.collect_until(
-        std::slice::from_ref(&poison),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(std::slice::from_ref(&poison), &relay)
+        .await;
     relay.sigterm();
     fx.cleanup().await;
 }
@@ -346,15 +336,9 @@ async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on(
     ));
 
     // The well-formed CC row, behind them all, arrives.
-    fx.collect_until(
-        std::slice::from_ref(&good_cc),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    fx.expect_delivered(std::slice::from_ref(&good_cc), &relay)
+        .await;
+    relay.stop_ok();
     fx.cleanup().await;
 }
 
@@ -397,15 +381,8 @@ async fn a_templated_exchange_that_does_not_exist_is_dead_lettered() {
         "{err}"
     );
     assert_eq!(dl.json(), serde_json::json!({"n": 1}));
-    fx.collect_until(
-        &[first, after],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    fx.expect_delivered(&[first, after], &relay).await;
+    relay.stop_ok();
     fx.cleanup().await;
 }
 
@@ -468,15 +445,9 @@ async fn a_message_nacked_again_and_again_is_dead_lettered() {
     let err = dl.header_str("x-outbox-error").unwrap();
     assert!(err.contains("nacked") && err.contains("10 times"), "{err}");
     assert_eq!(dl.json(), serde_json::json!({"n": 2}));
-    fx.collect_until(
-        std::slice::from_ref(&after),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    fx.expect_delivered(std::slice::from_ref(&after), &relay)
+        .await;
+    relay.stop_ok();
     let _ = ch
         .queue_delete(full.as_str().into(), Default::default())
         .await;

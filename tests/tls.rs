@@ -9,6 +9,7 @@
 //! (`integration/servers.sh install`), as the rest of the suite; it starts
 //! its own servers, so TEST_PG_URL / TEST_AMQP_URL are not used.
 
+mod common;
 #[path = "tls/support.rs"]
 mod support;
 

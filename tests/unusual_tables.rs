@@ -86,8 +86,7 @@ async fn a_partitioned_outbox_is_relayed_from_every_partition() {
             .any(|r| r.header_str("aggregate_type").as_deref() == Some("account")),
         "the new partition's row did not arrive"
     );
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    relay.stop_ok();
     f.cleanup().await;
 }
 
@@ -101,36 +100,14 @@ async fn a_rename_while_streaming_loses_no_row() {
     f.start_consumer().await;
     let relay = f.spawn_relay();
     let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
-    f.collect_until(
-        &[first],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    f.expect_delivered(&[first], &relay).await;
 
     let renamed = format!("{}_renamed", f.table);
     pg.batch_execute(&format!("ALTER TABLE {} RENAME TO {renamed}", f.table))
         .await
         .unwrap();
-    let after: String = pg
-        .query_one(
-            &format!(
-                "INSERT INTO {renamed} (aggregate_type, aggregate_id, event_type, payload) \
-                 VALUES ('order', 'o-2', 'shipped', '{{}}') RETURNING id::text"
-            ),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    f.collect_until(
-        &[after],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let after = insert_into(&pg, &renamed, "o-2").await;
+    f.expect_delivered(&[after], &relay).await;
     assert!(
         relay
             .wait_log("the outbox table was renamed", Duration::from_secs(5))
@@ -144,31 +121,14 @@ async fn a_rename_while_streaming_loses_no_row() {
     pg.execute("SELECT pg_terminate_backend($1)", &[&walsender])
         .await
         .unwrap();
-    let later: String = pg
-        .query_one(
-            &format!(
-                "INSERT INTO {renamed} (aggregate_type, aggregate_id, event_type, payload) \
-                 VALUES ('order', 'o-3', 'billed', '{{}}') RETURNING id::text"
-            ),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    f.collect_until(
-        &[later],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let later = insert_into(&pg, &renamed, "o-3").await;
+    f.expect_delivered(&[later], &relay).await;
     assert!(
         relay.log_text().matches("streaming from LSN").count() >= 2,
         "no reconnect happened:\n{}",
         relay.log_tail()
     );
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    relay.stop_ok();
 
     // The config still names the old table: the next start says so.
     let mut relay = f.spawn_relay();
@@ -201,13 +161,7 @@ async fn an_insert_into_another_published_table_stops_the_relay() {
     f.start_consumer().await;
     let mut relay = f.spawn_relay();
     let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
-    f.collect_until(
-        &[first],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    f.expect_delivered(&[first], &relay).await;
     let before_foreign = wal_insert_lsn(&pg).await;
     pg.batch_execute(&format!("INSERT INTO {other} VALUES (1)"))
         .await
@@ -271,10 +225,8 @@ async fn an_unusual_publication_name_is_sent_quoted() {
     f.start_consumer().await;
     let relay = f.spawn_relay();
     let id = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
-    f.collect_until(&[id], Duration::from_secs(30), Duration::ZERO, Some(&relay))
-        .await;
-    let (status, log) = relay.sigterm();
-    assert!(status.success(), "{log}");
+    f.expect_delivered(&[id], &relay).await;
+    relay.stop_ok();
     pg.batch_execute(&format!("DROP PUBLICATION \"{odd}\""))
         .await
         .unwrap();
@@ -324,4 +276,19 @@ async fn fx_walsender(f: &Fixture, pg: &tokio_postgres::Client) -> i32 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("no walsender streams {}", f.slot);
+}
+
+/// Inserts one order event for `aggregate_id` into `table` (the outbox by
+/// another name); returns its id.
+async fn insert_into(pg: &tokio_postgres::Client, table: &str, aggregate_id: &str) -> String {
+    pg.query_one(
+        &format!(
+            "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('order', $1, 'changed', '{{}}') RETURNING id::text"
+        ),
+        &[&aggregate_id],
+    )
+    .await
+    .unwrap()
+    .get(0)
 }

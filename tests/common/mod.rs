@@ -457,6 +457,12 @@ listen = "127.0.0.1:0"
         )
     }
 
+    /// [`Fixture::collect_until`] with the usual 30 s and no settling time.
+    pub async fn expect_delivered(&mut self, ids: &[String], relay: &Relay) -> Vec<Received> {
+        self.collect_until(ids, Duration::from_secs(30), Duration::ZERO, Some(relay))
+            .await
+    }
+
     /// Collects deliveries until `ids` have all been seen at least once (then
     /// for `settle` more), or panics after `timeout` naming what is missing.
     pub async fn collect_until(
@@ -648,6 +654,12 @@ impl Relay {
         });
         let out = std::fs::read_to_string(self.log.with_extension("out")).unwrap_or_default();
         (status, out)
+    }
+
+    /// SIGTERM, and the relay must exit 0.
+    pub fn stop_ok(self) {
+        let (status, out) = self.sigterm();
+        assert!(status.success(), "relay exited {status}: {out}");
     }
 
     /// Peak resident set size so far, in bytes (Linux `VmHWM`).

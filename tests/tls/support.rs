@@ -28,18 +28,7 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-pub fn pg_bin() -> PathBuf {
-    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL server packages in /usr/lib/postgresql")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("bin/initdb").exists())
-        .collect();
-    versions.sort();
-    versions
-        .pop()
-        .expect("a PostgreSQL version with initdb")
-        .join("bin")
-}
+pub use crate::common::pg_bin;
 
 pub fn as_postgres(program: &Path) -> Command {
     let mut c = Command::new("runuser");
