@@ -15,3 +15,12 @@ CREATE TABLE IF NOT EXISTS public.outbox_relay_checkpoint (
   last_commit_time timestamptz,
   written_at       timestamptz NOT NULL DEFAULT now()
 );
+-- Added in 0.2 (`outbox-relay setup` and `recover` add them too): the
+-- longest transaction the relay has seen, and a recovery under way (its
+-- window and the last row it confirmed; see README, "Recovery").
+ALTER TABLE public.outbox_relay_checkpoint
+  ADD COLUMN IF NOT EXISTS longest_tx_secs        float8,
+  ADD COLUMN IF NOT EXISTS recovery_since         timestamptz,
+  ADD COLUMN IF NOT EXISTS recovery_after_created timestamptz,
+  ADD COLUMN IF NOT EXISTS recovery_after_id      text,
+  ADD COLUMN IF NOT EXISTS recovery_done          bigint;

@@ -357,17 +357,37 @@ fn describe_pg_connect_error(e: &tokio_postgres::Error) -> String {
 
 async fn wal_level(client: &Client) -> Result<Vec<Line>, CheckError> {
     let level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
-    Ok(vec![if level == "logical" {
-        Line::new(Level::Ok, "wal_level = logical", None)
-    } else {
-        Line::fail(
-            "wal_level",
-            format!(
-                "is {level}, but logical replication needs wal_level = logical: set it in \
-                 postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
-            ),
+    let commit_ts: String = client
+        .query_one("SHOW track_commit_timestamp", &[])
+        .await?
+        .get(0);
+    let commit_ts = if commit_ts == "on" {
+        Line::ok(
+            "track_commit_timestamp",
+            "on: `recover` finds every row committed since the checkpoint",
         )
-    }])
+    } else {
+        Line::warn(
+            "track_commit_timestamp",
+            "is off: after a lost slot, `recover` can only select rows by created_at, \
+             widened by the longest transaction the relay has seen; a longer one may be \
+             missed. Set track_commit_timestamp = on (restart needed) for an exact window",
+        )
+    };
+    Ok(vec![
+        commit_ts,
+        if level == "logical" {
+            Line::new(Level::Ok, "wal_level = logical", None)
+        } else {
+            Line::fail(
+                "wal_level",
+                format!(
+                    "is {level}, but logical replication needs wal_level = logical: set it in \
+                 postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+                ),
+            )
+        },
+    ])
 }
 
 async fn slots_and_senders(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckError> {

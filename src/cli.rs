@@ -119,12 +119,44 @@ pub async fn run(
     shutdown: CancellationToken,
     metrics: &crate::metrics::Metrics,
 ) -> Result<Option<Lsn>, RelayError> {
+    // A recovery left half way (`recover` stopped, or its slot was made and
+    // the rows not all re-published) is finished first.
+    let mut attempt = 0;
+    loop {
+        let e = match crate::recover::finish_pending(cfg, &shutdown).await {
+            Ok(true) => break,
+            Ok(false) => return Ok(None), // stopped; the record stays
+            Err(e) if e.is_transient() && !shutdown.is_cancelled() => e,
+            Err(e) if e.is_transient() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let delay = relay::backoff(attempt);
+        attempt += 1;
+        tracing::warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, "finishing the recovery");
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(None),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
     relay::run(cfg, shutdown, metrics).await
 }
 
 /// `setup`: prints what it did.
 pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
     let client = connect_sql(&cfg.postgres).await?;
+    // A recovery resumes after its last confirmed row only while the slot
+    // it made lives: a slot made here would hide that it is gone.
+    if slot::slot_info(&client, cfg).await?.is_none()
+        && crate::source::checkpoint_table::pending_recovery(&client, cfg)
+            .await?
+            .is_some()
+    {
+        return Err(SourceError::Setup(format!(
+            "a recovery is under way for slot {:?} and the slot is gone: run `outbox-relay \
+             recover`, which makes it again and re-publishes the recovery's window from its start",
+            cfg.postgres.slot
+        )));
+    }
     let report = slot::setup(&client, cfg).await?;
     let said = |created: bool| {
         if created {
@@ -247,57 +279,77 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
 }
 
 /// `recover`.
-pub async fn recover(cfg: &Config, dry_run: bool, overlap_secs: u64) -> Result<(), RelayError> {
+pub async fn recover(
+    cfg: &Config,
+    dry_run: bool,
+    overlap_secs: u64,
+    stop: &CancellationToken,
+) -> Result<(), RelayError> {
     use crate::recover::RecoverOutcome;
-    match crate::recover::recover(cfg, dry_run, overlap_secs).await? {
+    match crate::recover::recover(cfg, dry_run, overlap_secs, stop).await? {
         RecoverOutcome::Healthy(info) => println!(
-            "slot {} is healthy (wal_status {}); nothing to recover",
+            "slot {} is healthy (wal_status {}) and no recovery is under way; nothing to recover",
             cfg.postgres.slot,
             info.wal_status.unwrap_or_else(|| "-".into())
         ),
         RecoverOutcome::Republished {
-            since,
-            rows,
-            first_last,
-            dry_run,
+            window,
+            selected,
+            published,
+            resumed,
         } => {
-            let verb = if dry_run {
-                "would re-publish"
-            } else {
-                "re-published"
+            if resumed {
+                println!("resuming the recovery recorded earlier");
+            }
+            println!("window: {window}");
+            let Some(p) = published else {
+                println!("would re-publish {selected} outbox rows");
+                println!("(dry run: nothing recorded, slot not recreated, nothing published)");
+                return Ok(());
             };
-            println!("{verb} {rows} outbox rows created since {since}");
-            if let Some((first, last)) = first_last {
-                println!("first {first}, last {last}");
+            println!("re-published {} of {selected} outbox rows", p.confirmed);
+            if let Some(k) = &p.last {
+                println!("last confirmed: created_at {}, id {}", k.created, k.id);
             }
-            if dry_run {
-                println!("(dry run: slot not recreated, nothing published)");
-            } else {
-                println!(
-                    "slot {} recreated; start `outbox-relay run`",
-                    cfg.postgres.slot
-                );
+            if !p.complete {
+                return Err(RelayError::Interrupted(format!(
+                    "recovery stopped after {} of {selected} rows; it is recorded: run \
+                     `outbox-relay recover` again (or start `outbox-relay run`) to finish",
+                    p.confirmed
+                )));
             }
+            println!(
+                "recovery complete; slot {} is ready: start `outbox-relay run`",
+                cfg.postgres.slot
+            );
         }
     }
     Ok(())
 }
 
 /// `republish`.
-pub async fn republish(cfg: &Config, sel: crate::recover::Selection) -> Result<(), RelayError> {
-    let client = connect_sql(&cfg.postgres).await?;
-    let events = crate::recover::select_events(&client, cfg, &sel).await?;
+pub async fn republish(
+    cfg: &Config,
+    sel: crate::recover::Selection,
+    stop: &CancellationToken,
+) -> Result<(), RelayError> {
+    let (selected, p) = crate::recover::republish(cfg, &sel, stop).await?;
     if let crate::recover::Selection::Ids(ids) = &sel {
-        if events.len() < ids.len() {
+        if (selected as usize) < ids.len() {
             eprintln!(
                 "outbox-relay: {} of {} ids not found in {}",
-                ids.len() - events.len(),
+                ids.len() - selected as usize,
                 ids.len(),
                 cfg.outbox.table
             );
         }
     }
-    let n = crate::recover::publish_all(cfg, &events).await?;
-    println!("re-published {n} events");
+    println!("re-published {} events", p.confirmed);
+    if !p.complete {
+        return Err(RelayError::Interrupted(format!(
+            "stopped after {} of {selected} rows",
+            p.confirmed
+        )));
+    }
     Ok(())
 }

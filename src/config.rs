@@ -169,6 +169,8 @@ struct RawRabbitmq {
     routing_key: String,
     #[serde(default = "default_window", deserialize_with = "de_u64")]
     window: u64,
+    #[serde(default = "default_window_bytes", deserialize_with = "de_u64")]
+    window_bytes: u64,
     #[serde(default = "default_confirm_timeout_secs", deserialize_with = "de_u64")]
     confirm_timeout_secs: u64,
     #[serde(default)]
@@ -215,6 +217,10 @@ fn default_routing_key() -> String {
 }
 fn default_window() -> u64 {
     1024
+}
+/// Bytes of rows awaiting a confirm at once: with 1 MiB rows, 32 of them.
+fn default_window_bytes() -> u64 {
+    32 * 1024 * 1024
 }
 fn default_confirm_timeout_secs() -> u64 {
     30
@@ -378,6 +384,9 @@ pub struct RabbitmqConfig {
     pub routing_key: Template,
     /// Most publishes awaiting a confirm at once.
     pub window: usize,
+    /// Most bytes of rows awaiting a confirm at once (one message is always
+    /// allowed, however large).
+    pub window_bytes: usize,
     /// Messages wait and no confirm has come for this long (time blocked
     /// by a resource alarm not counted): the broker is hung.
     pub confirm_timeout: Duration,
@@ -641,6 +650,12 @@ impl RawConfig {
                 "expected an integer between 1 and 65535",
             ));
         }
+        if !((64 * 1024)..=(16 * 1024 * 1024 * 1024)).contains(&r.window_bytes) {
+            return Err(key_err(
+                "rabbitmq.window_bytes",
+                "expected bytes between 65536 and 17179869184 (16 GiB)",
+            ));
+        }
         if !(1..=3600).contains(&r.confirm_timeout_secs) {
             return Err(key_err(
                 "rabbitmq.confirm_timeout_secs",
@@ -715,6 +730,7 @@ impl RawConfig {
                 exchange,
                 routing_key,
                 window: r.window as usize,
+                window_bytes: r.window_bytes as usize,
                 confirm_timeout: Duration::from_secs(r.confirm_timeout_secs),
                 dead_letter_exchange,
                 unroutable_attempts: r.unroutable_retries as u32,

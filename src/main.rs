@@ -83,9 +83,15 @@ async fn main() -> ExitCode {
             dry_run,
             overlap_secs,
             ..
-        } => cli::recover(&cfg, *dry_run, *overlap_secs)
-            .await
-            .map_err(anyhow::Error::from),
+        } => {
+            let stop = CancellationToken::new();
+            match install_signals(stop.clone()) {
+                Ok(()) => cli::recover(&cfg, *dry_run, *overlap_secs, &stop)
+                    .await
+                    .map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            }
+        }
         Command::Republish {
             ids, since, until, ..
         } => {
@@ -96,7 +102,13 @@ async fn main() -> ExitCode {
                 },
                 None => outbox_relay::recover::Selection::Ids(ids.clone()),
             };
-            cli::republish(&cfg, sel).await.map_err(anyhow::Error::from)
+            let stop = CancellationToken::new();
+            match install_signals(stop.clone()) {
+                Ok(()) => cli::republish(&cfg, sel, &stop)
+                    .await
+                    .map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            }
         }
     };
     match result {

@@ -525,6 +525,7 @@ mod tests {
             exchange: Template::parse(exchange).unwrap(),
             routing_key: Template::parse(rk).unwrap(),
             window: 10,
+            window_bytes: 32 << 20,
             confirm_timeout: Duration::from_secs(1),
             dead_letter_exchange: None,
             unroutable_attempts: 3,

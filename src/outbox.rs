@@ -190,6 +190,15 @@ impl OutboxEvent {
     pub fn value(&self, index: usize) -> Option<&Bytes> {
         self.tuple.0.get(index).and_then(ColumnValue::as_bytes)
     }
+
+    /// Bytes of column values it holds: what memory budgets count.
+    pub fn bytes(&self) -> usize {
+        self.tuple
+            .0
+            .iter()
+            .map(|c| c.as_bytes().map_or(0, Bytes::len))
+            .sum()
+    }
 }
 
 /// What a WAL message meant for the outbox.

@@ -16,7 +16,6 @@
 //! so the next session replays it from the slot: recovery needs no state of
 //! its own beyond the slot.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,9 +31,13 @@ use crate::lsn::Lsn;
 use crate::message::RenderError;
 use crate::metrics::{Metrics, Target, TargetLabel};
 use crate::outbox::{Decoded, OutboxDecoder, OutboxOids, PG_EPOCH_OFFSET_US};
+use crate::sink::budget::ByteBudget;
 use crate::sink::publisher::{self, Progress, SinkItem};
+use crate::sink::publisher::{Head, Refusals};
+use crate::sink::replies::Disposition;
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
+use crate::source::longest_tx::LongestTx;
 use crate::source::silence::{self, Silence, Silent};
 use crate::source::{SourceError, connect_sql, slot, slot::usable_slot, start_replication};
 
@@ -62,6 +65,9 @@ pub enum RelayError {
         /// Why.
         reason: String,
     },
+    /// A command was stopped (SIGINT/SIGTERM) before it finished.
+    #[error("{0}")]
+    Interrupted(String),
     /// The stream broke BEGIN/COMMIT order.
     #[error("replication stream out of order: {0}")]
     Order(#[from] CheckpointError),
@@ -74,7 +80,9 @@ impl RelayError {
         match self {
             RelayError::Source(e) => e.is_transient(),
             RelayError::Sink(e) => e.is_transient(),
-            RelayError::Render(_) | RelayError::Undeliverable { .. } => false,
+            RelayError::Render(_)
+            | RelayError::Undeliverable { .. }
+            | RelayError::Interrupted(_) => false,
             // A broken stream is re-read from the slot by a new session.
             RelayError::Order(_) => true,
         }
@@ -88,12 +96,14 @@ impl RelayError {
     }
 }
 
-/// Items buffered between the loops; with the confirm window and the
+/// Items buffered between the loops; with their byte budget
+/// ([`ByteBudget`]), the confirm window (count and bytes) and the
 /// replication client's buffer this bounds memory, whatever the size of a
-/// transaction.
+/// transaction or of a row.
 const CHANNEL_CAPACITY: usize = 512;
-/// Events buffered inside the replication client.
-const REPLICATION_BUFFER: usize = 1024;
+/// Events buffered inside the replication client. It counts events, not
+/// bytes: with 1 MiB rows this is 64 MiB.
+const REPLICATION_BUFFER: usize = 64;
 /// Backoff between sessions: from `BACKOFF_BASE`, doubling, capped.
 const BACKOFF_BASE: Duration = Duration::from_millis(250);
 const BACKOFF_CAP: Duration = Duration::from_secs(30);
@@ -106,6 +116,9 @@ const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// 404s for one exchange name before the relay stops instead of starting
 /// another session that would dead-letter its events.
 const MISSING_EXCHANGE_STRIKES: u32 = 3;
+/// Sessions the broker ends while the same event is the oldest unconfirmed
+/// one (published alone) before that event is dead-lettered.
+const HEAD_STRIKES: u32 = 3;
 /// Deadline of each SQL call beside the stream.
 const SQL_DEADLINE: Duration = Duration::from_secs(10);
 /// Retained WAL is polled this often for the metric.
@@ -124,12 +137,14 @@ pub async fn run(
     // The outbox as this process has known it: a RENAME followed by its
     // relation id stays followed across reconnects.
     let mut known: Option<OutboxOids> = None;
-    // Exchanges a templated rabbitmq.exchange rendered to and the broker
-    // does not have: the next session dead-letters their events.
-    let mut missing: HashSet<String> = HashSet::new();
-    // 404s per exchange name: the same name coming back (the broker and the
-    // relay disagree on it) must not loop sessions forever.
+    // What the broker refused in earlier sessions (see sink::replies).
+    let mut refusals = Refusals::default();
+    // Sessions ended by each refusal (an exchange name, a body limit, an
+    // event blamed): the same one coming back must not loop sessions.
     let mut strikes: std::collections::HashMap<String, u32> = Default::default();
+    // Outlives sessions: an open transaction is timed from when it was
+    // first seen, whatever reconnects happen meanwhile.
+    let longest = Arc::new(tokio::sync::Mutex::new(LongestTx::default()));
     loop {
         let mut progressed = false;
         let r = session(
@@ -137,27 +152,18 @@ pub async fn run(
             &shutdown,
             metrics,
             &mut progressed,
-            (&mut known, &mut missing),
+            (&mut known, &mut refusals, &longest),
         )
         .await;
+        let head = refusals.head.lock().expect("not poisoned").take();
+        if progressed {
+            refusals.careful_for = 0;
+        }
         let r = match r {
-            Err(RelayError::Sink(e)) if e.missing_exchange().is_some() => {
-                let exchange = e.missing_exchange().unwrap_or_default();
-                let strike = strikes.entry(exchange.clone()).or_default();
-                *strike += 1;
-                if cfg.rabbitmq.dead_letter_exchange.as_deref() == Some(exchange.as_str())
-                    || cfg.rabbitmq.exchange.as_literal().is_some()
-                    || cfg.rabbitmq.dead_letter_exchange.is_none()
-                    || *strike > MISSING_EXCHANGE_STRIKES
-                {
-                    // Nothing to dead-letter to, or no template at all: the
-                    // operator must declare it.
-                    return Err(RelayError::Sink(SinkError::NoExchange(exchange)));
-                }
-                warn!(%exchange, "the broker has no such exchange; its events will be dead-lettered");
-                missing.insert(exchange);
-                Err(RelayError::Sink(e))
-            }
+            Err(RelayError::Sink(e)) => match learn(cfg, &e, head, &mut refusals, &mut strikes) {
+                Some(stop) => Err(stop),
+                None => Err(RelayError::Sink(e)),
+            },
             other => other,
         };
         match r {
@@ -204,9 +210,94 @@ pub async fn run(
     }
 }
 
+/// A session failed with `e`; `head` was its oldest unconfirmed event.
+/// Learns what the next session must route around (see
+/// [`crate::sink::replies`]), or returns the error that stops the relay.
+pub(crate) fn learn(
+    cfg: &Config,
+    e: &SinkError,
+    head: Option<Head>,
+    refusals: &mut Refusals,
+    strikes: &mut std::collections::HashMap<String, u32>,
+) -> Option<RelayError> {
+    let dlx = cfg.rabbitmq.dead_letter_exchange.as_deref();
+    let mut strike = |key: String| {
+        let n = strikes.entry(key).or_default();
+        *n += 1;
+        *n
+    };
+    match e.disposition() {
+        Disposition::MissingExchange(exchange) => {
+            let n = strike(format!("exchange {exchange}"));
+            if dlx == Some(exchange.as_str())
+                || cfg.rabbitmq.exchange.as_literal().is_some()
+                || dlx.is_none()
+                || n > MISSING_EXCHANGE_STRIKES
+            {
+                // Nothing to dead-letter to, or no template at all: the
+                // operator must declare it.
+                return Some(RelayError::Sink(SinkError::NoExchange(exchange)));
+            }
+            warn!(%exchange, "the broker has no such exchange; its events will be dead-lettered");
+            refusals.missing.insert(exchange);
+        }
+        Disposition::BodyLimit(limit) => {
+            let n = strike(format!("body limit {limit}"));
+            if dlx.is_none() || n > MISSING_EXCHANGE_STRIKES {
+                return Some(RelayError::Undeliverable {
+                    id: head.map_or_else(|| "?".into(), |h| h.id),
+                    reason: format!(
+                        "the broker refuses bodies over {limit} bytes (its max_message_size); \
+                         set rabbitmq.max_message_bytes to at most {limit}"
+                    ),
+                });
+            }
+            warn!(
+                limit,
+                "the broker refuses larger bodies; they will be dead-lettered without the body"
+            );
+            refusals.max_body = Some(limit);
+        }
+        Disposition::HeadOfWindow => {
+            let head = head?;
+            // Replay one message at a time past where this session got, so
+            // the message that draws the refusal is alone when it comes
+            // again (the replay starts at or before this session's start).
+            refusals.careful_for = refusals
+                .careful_for
+                .max(head.sent + cfg.rabbitmq.window as u64);
+            // Only a message published alone is surely the one.
+            let Head {
+                id, alone: true, ..
+            } = head
+            else {
+                return None;
+            };
+            let n = strike(format!("event {id}"));
+            if n > 2 * HEAD_STRIKES {
+                // Its bare dead letter is refused too.
+                return Some(RelayError::Undeliverable {
+                    id,
+                    reason: format!("the broker keeps refusing it, even as a dead letter: {e}"),
+                });
+            }
+            if n >= HEAD_STRIKES {
+                let reason = format!(
+                    "the broker ended {n} sessions while this was the oldest unconfirmed \
+                     message, last with: {e}"
+                );
+                warn!(event_id = %id, %reason, "giving up on the event");
+                refusals.poison.insert(id, reason);
+            }
+        }
+        Disposition::Transient | Disposition::Stop => {}
+    }
+    None
+}
+
 /// Capped exponential backoff with jitter (half fixed, half random), so a
 /// fleet of relays does not reconnect in lockstep.
-fn backoff(attempt: u32) -> Duration {
+pub fn backoff(attempt: u32) -> Duration {
     let exp = BACKOFF_BASE.saturating_mul(1u32 << attempt.min(16));
     let ceiling = exp.min(BACKOFF_CAP);
     let half = ceiling / 2;
@@ -218,7 +309,11 @@ async fn session(
     shutdown: &CancellationToken,
     metrics: &Metrics,
     progressed: &mut bool,
-    (known, missing): (&mut Option<OutboxOids>, &mut HashSet<String>),
+    (known, refusals, longest): (
+        &mut Option<OutboxOids>,
+        &mut Refusals,
+        &Arc<tokio::sync::Mutex<LongestTx>>,
+    ),
 ) -> Result<Option<Lsn>, RelayError> {
     // Connecting can take a while (each step has its deadline): a stop asked
     // for meanwhile ends it at once, with nothing in flight.
@@ -244,11 +339,11 @@ async fn session(
         let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
         info!("connected to RabbitMQ");
         // An exchange declared since it was found missing is used again.
-        for exchange in missing.clone() {
+        for exchange in refusals.missing.clone() {
             match sink.check_exchange(&exchange).await {
                 Ok(()) => {
                     info!(%exchange, "the exchange exists now");
-                    missing.remove(&exchange);
+                    refusals.missing.remove(&exchange);
                 }
                 Err(SinkError::NoExchange(_)) => {}
                 Err(e) => return Err(e.into()),
@@ -271,6 +366,7 @@ async fn session(
 
     let stop = shutdown.child_token();
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_CAPACITY);
+    let budget = ByteBudget::default();
     let (wm_tx, mut wm_rx) = watch::channel(Progress {
         lsn: start,
         commit_time_us: None,
@@ -288,7 +384,7 @@ async fn session(
     ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
-        sql,
+        (sql, longest.clone()),
         wm_rx.clone(),
         metrics.clone(),
         stop.clone(),
@@ -297,7 +393,7 @@ async fn session(
     let source = source_loop(
         &mut repl,
         &mut decoder,
-        items_tx,
+        (items_tx, &budget),
         &mut wm_rx,
         (Silence::new(silence_limit), &probe, &alive),
         &stop,
@@ -308,7 +404,7 @@ async fn session(
             &mut sink,
             items_rx,
             &wm_tx,
-            (&cfg.rabbitmq, &*missing),
+            (&cfg.rabbitmq, &*refusals, &budget),
             start,
             metrics,
             &stop,
@@ -356,7 +452,10 @@ async fn session(
 /// are logged, never fatal: the slot remains the source of truth.
 async fn side_tasks(
     cfg: Config,
-    sql: Arc<tokio_postgres::Client>,
+    (sql, longest): (
+        Arc<tokio_postgres::Client>,
+        Arc<tokio::sync::Mutex<LongestTx>>,
+    ),
     mut progress: watch::Receiver<Progress>,
     metrics: Metrics,
     stop: CancellationToken,
@@ -373,6 +472,7 @@ async fn side_tasks(
     let mut retained = tokio::time::interval(RETAINED_WAL_EVERY);
     let mut written: Option<i64> = None;
     let mut checkpoint_warned = false;
+    let mut longest_warned = false;
     loop {
         tokio::select! {
             biased;
@@ -411,6 +511,22 @@ async fn side_tasks(
                 );
                 if let Ok(Ok(row)) = tokio::time::timeout(SQL_DEADLINE, call).await {
                     metrics.retained_wal_bytes.set(row.get::<_, Option<i64>>(0).unwrap_or(0));
+                }
+                // For `recover`'s window: see source::longest_tx.
+                let mut longest = longest.lock().await;
+                if let Some(secs) = longest.sample(&sql, SQL_DEADLINE).await {
+                    let call = checkpoint_table::record_longest_tx(&sql, &cfg, secs);
+                    match tokio::time::timeout(SQL_DEADLINE, call).await {
+                        Ok(Ok(())) => debug!(secs, "longest transaction seen"),
+                        other => {
+                            longest.longest_secs = 0.0; // try again next time
+                            if !longest_warned {
+                                let e = other.map_or_else(|_| "no answer".to_owned(), |r| r.err().map(|e| e.to_string()).unwrap_or_default());
+                                warn!(error = %e, "cannot record the longest transaction (run `outbox-relay setup` to update the checkpoint table); `recover` may choose too short a window");
+                                longest_warned = true;
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -496,7 +612,7 @@ async fn report_final(repl: &mut ReplicationClient, confirmed: Lsn, interval: Du
 async fn source_loop(
     repl: &mut ReplicationClient,
     decoder: &mut OutboxDecoder,
-    items: mpsc::Sender<SinkItem>,
+    (items, budget): (mpsc::Sender<SinkItem>, &ByteBudget),
     watermark: &mut watch::Receiver<Progress>,
     (mut silence, probe, alive): (Silence, &Notify, &Notify),
     stop: &CancellationToken,
@@ -569,7 +685,10 @@ async fn source_loop(
                 .into());
             }
         };
-        // Wait for room in the channel while still forwarding progress.
+        // Wait for room in the channel (a large row: for its bytes too)
+        // while still forwarding progress.
+        let cost = ByteBudget::cost(&item);
+        let mut taken = cost == 0;
         loop {
             tokio::select! {
                 biased;
@@ -577,7 +696,8 @@ async fn source_loop(
                 Ok(()) = watermark.changed() => {
                     repl.update_applied_lsn(watermark.borrow_and_update().lsn.into());
                 }
-                permit = items.reserve() => match permit {
+                _ = budget.take(cost), if !taken => taken = true,
+                permit = items.reserve(), if taken => match permit {
                     Ok(p) => { p.send(item); break; }
                     Err(_) => return Ok(()), // the sink ended; its result is the session's
                 },

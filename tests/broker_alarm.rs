@@ -259,3 +259,210 @@ async fn a_second_signal_exits_at_once() {
     assert_eq!(status.code(), Some(130));
     fx.cleanup().await;
 }
+
+/// 400 rows of 1 MiB wait behind a broker memory alarm: the relay reads
+/// only what its byte-bounded buffers hold (peak RSS far below the 400 MiB
+/// backlog), and delivers everything once the alarm clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_rows_behind_a_memory_alarm_stay_bounded_in_memory() {
+    let _alarm = ALARM.lock().await;
+    let fx = Fixture::new("alarm_mib").await;
+    fx.bottomless_queue().await;
+    let pg = pg_connect().await;
+    let end = fx.insert_large(&pg, 400, 1 << 20, 50).await;
+    let relay = fx.spawn_relay();
+    let peak = with_alarm(async {
+        // Long enough for the walsender to decode far more than the
+        // buffers hold (it decodes these rows at a few hundred a second).
+        let mut peak = 0;
+        for _ in 0..40 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            peak = peak.max(relay.peak_rss_bytes());
+        }
+        assert!(
+            fx.confirmed_flush_lsn(&pg).await < end,
+            "confirmed while blocked"
+        );
+        peak
+    })
+    .await;
+    let started = std::time::Instant::now();
+    while fx.confirmed_flush_lsn(&pg).await < end {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "not confirmed after the alarm; log:\n{}",
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "400 rows of 1 MiB behind a memory alarm: relay peak RSS {:.1} MB",
+        peak as f64 / 1e6
+    );
+    assert!(
+        peak < 256 << 20,
+        "relay peak RSS {peak} bytes while blocked"
+    );
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// `recover` blocked by a memory alarm and stopped with SIGINT says the
+/// recovery is recorded and exits non-zero; the slot is already recreated,
+/// yet running `recover` again finishes the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_recover_is_finished_by_running_it_again() {
+    let _alarm = ALARM.lock().await;
+    let mut fx = Fixture::new("alarm_recover").await;
+    fx.set_config_extra("shutdown_grace_secs = 1", "");
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let warm = fx.insert(&pg, "r", "w", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[warm], &relay).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
+    relay.stop_ok();
+    let mut lost = Vec::new();
+    for i in 0..50 {
+        lost.push(
+            fx.insert(
+                &pg,
+                "r",
+                &format!("l{i}"),
+                "e",
+                &serde_json::json!({"i": i}),
+            )
+            .await,
+        );
+    }
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    let stderr = with_alarm(async {
+        let mut rec = fx
+            .relay_cmd("recover")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // It records the window, makes the slot, and waits on the broker.
+        let mut slot_made = false;
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let n: i64 = pg
+                .query_one(
+                    "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&fx.slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if n == 1 {
+                slot_made = true;
+                break;
+            }
+        }
+        assert!(slot_made, "recover did not recreate the slot");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        signal(rec.id(), "INT");
+        let status =
+            wait_timeout(&mut rec, Duration::from_secs(30)).expect("recover exits on SIGINT");
+        let mut err = String::new();
+        std::io::Read::read_to_string(rec.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(1), "{err}");
+        err
+    })
+    .await;
+    assert!(
+        stderr.contains("run `outbox-relay recover` again"),
+        "{stderr}"
+    );
+    let again = fx.relay_cmd("recover").output().unwrap();
+    let out = String::from_utf8_lossy(&again.stdout);
+    assert!(
+        again.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(
+        out.contains("resuming the recovery recorded earlier"),
+        "{out}"
+    );
+    assert!(out.contains("recovery complete"), "{out}");
+    fx.collect_until(&lost, Duration::from_secs(30), Duration::ZERO, None)
+        .await;
+    // Done: nothing is left to recover.
+    let third = fx.relay_cmd("recover").output().unwrap();
+    let out = String::from_utf8_lossy(&third.stdout);
+    assert!(out.contains("nothing to recover"), "{out}");
+    fx.cleanup().await;
+}
+
+/// Restores the broker's `max_message_size` when dropped.
+struct MaxMessageSize;
+impl MaxMessageSize {
+    fn set(bytes: u64) -> MaxMessageSize {
+        rabbitmq_ctl(&[
+            "ctl",
+            "eval",
+            &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+        ]);
+        MaxMessageSize
+    }
+}
+impl Drop for MaxMessageSize {
+    fn drop(&mut self) {
+        rabbitmq_ctl(&[
+            "ctl",
+            "eval",
+            "application:set_env(rabbit, max_message_size, 134217728).",
+        ]);
+    }
+}
+
+/// The broker refuses a body under `rabbitmq.max_message_bytes` but over
+/// its own `max_message_size` (406 PRECONDITION_FAILED, closing the
+/// channel): the relay learns the broker's limit, dead-letters the row
+/// without its body, and the rows after it flow. (Broker-wide setting: run
+/// with the alarm tests, one at a time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_brokers_own_limit_is_dead_lettered_without_it() {
+    let _alarm = ALARM.lock().await;
+    let mut fx = Fixture::new("brokerlimit").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    fx.set_config_extra(
+        &format!("dead_letter_exchange = \"{}\"", fx.scoped("dlx")),
+        "",
+    );
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let _limit = MaxMessageSize::set(65_536);
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let before = fx.insert(&pg, "f", "1", "e", &serde_json::json!({})).await;
+    let big = fx
+        .insert(
+            &pg,
+            "big",
+            "b",
+            "e",
+            &serde_json::json!({"pad": "x".repeat(100_000)}),
+        )
+        .await;
+    let after = fx.insert(&pg, "f", "2", "e", &serde_json::json!({})).await;
+    let dl = tokio::time::timeout(Duration::from_secs(60), dlq.recv())
+        .await
+        .unwrap_or_else(|_| panic!("no dead letter; log:\n{}", relay.log_tail()))
+        .unwrap();
+    assert_eq!(dl.message_id(), big);
+    assert!(
+        dl.body.is_empty(),
+        "the body the broker refused was sent again"
+    );
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(err.contains("65536"), "{err}");
+    fx.expect_delivered(&[before, after], &relay).await;
+    relay.stop_ok();
+    fx.cleanup().await;
+}

@@ -127,3 +127,56 @@ async fn million_row_transaction_is_delivered_in_full_in_bounded_memory() {
     relay.sigterm();
     fx.cleanup().await;
 }
+
+/// 2,000 rows of 1 MiB each: everything in flight is bounded in bytes (the
+/// replication buffer, the queue to the publisher, the confirm window, the
+/// write buffer), so the relay's peak RSS stays far below the rows' total.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_one_mib_rows_stream_in_bounded_memory() {
+    const ROWS: i64 = 2_000;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let fx = Fixture::new("mib").await;
+    fx.bottomless_queue().await;
+    let pg = pg_connect().await;
+    // A backlog (written while the relay is down) fills every buffer.
+    let end = fx.insert_large(&pg, ROWS, 1 << 20, 100).await;
+    let (n, smallest): (i64, i32) = {
+        let r = pg
+            .query_one(
+                &format!(
+                    "SELECT count(*), min(octet_length(payload::text)) FROM {}",
+                    fx.table
+                ),
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(n, ROWS);
+    assert!(smallest >= 1 << 20, "rows of {smallest} bytes");
+    let relay = fx.spawn_relay();
+    let started = std::time::Instant::now();
+    let mut peak = 0;
+    loop {
+        peak = peak.max(relay.peak_rss_bytes());
+        if fx.confirmed_flush_lsn(&pg).await >= end {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "not confirmed within 10 minutes; log:\n{}",
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    peak = peak.max(relay.peak_rss_bytes());
+    println!(
+        "2,000 rows of 1 MiB: relay peak RSS {:.1} MB, {:.1} s",
+        peak as f64 / 1e6,
+        started.elapsed().as_secs_f64()
+    );
+    assert!(peak < 256 << 20, "relay peak RSS {peak} bytes");
+    relay.stop_ok();
+    fx.cleanup().await;
+}

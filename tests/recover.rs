@@ -12,8 +12,13 @@ use std::time::Duration;
 
 use common::*;
 
+/// One test at a time: losing a slot (a tiny server-wide
+/// `max_slot_wal_keep_size`) would invalidate the others' slots too.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
+    let _serial = SERIAL.lock().await;
     let mut fx = Fixture::new("recover").await;
     fx.start_consumer().await;
     let pg = pg_connect().await;
@@ -178,6 +183,163 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
         .collect();
     fx.collect_until(&all, Duration::from_secs(30), Duration::ZERO, None)
         .await;
+    fx.cleanup().await;
+}
+
+/// A row whose transaction stayed open longer than the overlap, and
+/// committed after the last checkpoint, carries a `created_at` before the
+/// window `--overlap-secs` alone would give. The relay measured that
+/// transaction while it was open, and `recover` widens the window to cover
+/// it (track_commit_timestamp is off on the test server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
+    let _serial = SERIAL.lock().await;
+    let mut fx = Fixture::new("recover_long").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let first = fx.insert(&pg, "r", "a", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[first], &relay).await;
+    // The long transaction: its row's created_at is its start.
+    let mut long_pg = pg_connect().await;
+    let long_tx = long_pg.transaction().await.unwrap();
+    let long_id: String = long_tx
+        .query_one(&fx.insert_sql(), &[&"r", &"long", &"e", &"{}"])
+        .await
+        .unwrap()
+        .get(0);
+    // Open across two of the relay's samples (every 5 s), while the stream
+    // moves on and the checkpoint follows it.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let later = fx.insert(&pg, "r", "b", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[later], &relay).await;
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    relay.kill9();
+    long_tx.commit().await.unwrap();
+    let recorded: Option<f64> = pg
+        .query_one(
+            "SELECT longest_tx_secs FROM outbox_relay_checkpoint WHERE slot_name = $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        recorded.is_some_and(|s| s >= 4.0),
+        "longest transaction recorded: {recorded:?}"
+    );
+    // The slot is lost (dropped here): recover with a 1 s overlap.
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    let rec = fx
+        .relay_cmd("recover")
+        .args(["--overlap-secs", "1"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&rec.stdout);
+    assert!(
+        rec.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&rec.stderr)
+    );
+    // The window was widened by what was measured, not by the margin alone.
+    let measured: f64 = out
+        .split("longest transaction seen, ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no measured transaction in: {out}"));
+    assert!(measured >= 5.0, "measured {measured} s: {out}");
+    fx.collect_until(&[long_id], Duration::from_secs(30), Duration::ZERO, None)
+        .await;
+    fx.cleanup().await;
+}
+
+/// An undeliverable row (unroutable, no dead-letter exchange) stops
+/// `recover` half way, after its slot was made; the rows before it are not
+/// sent again, and `run` finishes the recovery before it streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
+    let _serial = SERIAL.lock().await;
+    let mut fx = Fixture::new("recover_resume").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let warm = fx.insert(&pg, "ok", "w", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[warm], &relay).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
+    relay.stop_ok();
+    let mut before_bad = Vec::new();
+    for i in 0..10 {
+        before_bad.push(
+            fx.insert(&pg, "ok", &format!("a{i}"), "e", &serde_json::json!({}))
+                .await,
+        );
+    }
+    let bad = fx
+        .insert(&pg, "bad", "x", "e", &serde_json::json!({}))
+        .await;
+    let mut after_bad = Vec::new();
+    for i in 0..10 {
+        after_bad.push(
+            fx.insert(&pg, "ok", &format!("b{i}"), "e", &serde_json::json!({}))
+                .await,
+        );
+    }
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    fx.rebind_queue("ok.#").await;
+    let rec = fx.relay_cmd("recover").output().unwrap();
+    let err = String::from_utf8_lossy(&rec.stderr);
+    assert_eq!(rec.status.code(), Some(1), "{err}");
+    assert!(err.contains(&bad) && err.contains("unroutable"), "{err}");
+    let got = fx
+        .collect_until(
+            &before_bad,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+    let first_pass = count_by_id(&got);
+    let done: Option<i64> = pg
+        .query_one(
+            "SELECT recovery_done FROM outbox_relay_checkpoint WHERE slot_name = $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(done.is_some_and(|d| d >= 10), "recorded progress {done:?}");
+
+    // Routable again: `run` finishes the recovery, then streams.
+    fx.rebind_queue("#").await;
+    let relay = fx.spawn_relay();
+    let new = fx.insert(&pg, "ok", "n", "e", &serde_json::json!({})).await;
+    let mut rest = after_bad.clone();
+    rest.push(bad.clone());
+    rest.push(new);
+    let got = fx.expect_delivered(&rest, &relay).await;
+    let second_pass = count_by_id(&got);
+    for id in &before_bad {
+        assert_eq!(
+            first_pass.get(id).copied().unwrap_or(0) + second_pass.get(id).copied().unwrap_or(0),
+            1,
+            "row {id}, confirmed before the stop, was sent again"
+        );
+    }
+    relay.stop_ok();
+    let pending: Option<String> = pg
+        .query_one(
+            "SELECT recovery_since::text FROM outbox_relay_checkpoint WHERE slot_name = $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(pending, None, "the recovery is still recorded");
     fx.cleanup().await;
 }
 

@@ -11,7 +11,9 @@
 //! The connection is [`wire::Wire`], a publishing-only AMQP client driven by
 //! the publishing task itself (see there why not lapin).
 
+pub mod budget;
 pub mod publisher;
+pub mod replies;
 pub mod wire;
 
 use std::collections::VecDeque;
@@ -20,6 +22,7 @@ use std::time::Duration;
 use crate::config::{RabbitmqConfig, redact_url};
 use crate::message::{Envelope, MessageView};
 use crate::tls::{self, TlsFailure};
+use replies::Disposition;
 use wire::{Event, Returned, Target, Wire, WireError};
 
 /// What went wrong on the broker side.
@@ -94,41 +97,36 @@ pub enum SinkError {
 }
 
 impl SinkError {
+    /// What this failure means, by the table in [`replies`].
+    pub fn disposition(&self) -> Disposition {
+        match self {
+            SinkError::Amqp { source, .. } => source.disposition(),
+            SinkError::NoExchange(_)
+            | SinkError::Tls(_)
+            | SinkError::Returned { .. }
+            | SinkError::DeadLetterRefused { .. } => Disposition::Stop,
+            SinkError::Disconnected
+            | SinkError::Timeout(_)
+            | SinkError::Nacked { .. }
+            | SinkError::ConfirmTimeout { .. } => Disposition::Transient,
+        }
+    }
+
     /// The exchange the broker said does not exist, when a publish to it
     /// closed the channel (404 NOT_FOUND "no exchange 'X' in vhost 'V'"): a
     /// templated exchange that renders to a name nobody declared.
     pub fn missing_exchange(&self) -> Option<String> {
-        let SinkError::Amqp {
-            source: WireError::ChannelClosed { code: 404, text },
-            ..
-        } = self
-        else {
-            return None;
-        };
-        let rest = text.split_once("no exchange '")?.1;
-        let end = rest.rfind("' in vhost")?;
-        Some(rest[..end].to_owned())
+        match self.disposition() {
+            Disposition::MissingExchange(x) => Some(x),
+            _ => None,
+        }
     }
 
     /// True when retrying later may succeed (connection trouble, a broker
-    /// restart, a nack); false when the operator must change something.
-    /// A missing exchange met while publishing is transient: the next
-    /// session dead-letters the events bound for it.
+    /// restart, a nack, a refusal the next session handles); false when
+    /// the operator must change something.
     pub fn is_transient(&self) -> bool {
-        if self.missing_exchange().is_some() {
-            return true;
-        }
-        match self {
-            SinkError::Amqp { source, .. } => source.is_transient(),
-            SinkError::NoExchange(_)
-            | SinkError::Tls(_)
-            | SinkError::Returned { .. }
-            | SinkError::DeadLetterRefused { .. } => false,
-            SinkError::Disconnected
-            | SinkError::Timeout(_)
-            | SinkError::Nacked { .. }
-            | SinkError::ConfirmTimeout { .. } => true,
-        }
+        self.disposition() != Disposition::Stop
     }
 }
 

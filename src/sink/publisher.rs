@@ -18,6 +18,7 @@ use tracing::{error, info, warn};
 
 use tokio_util::sync::CancellationToken;
 
+use super::budget::ByteBudget;
 use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, Seq};
 use crate::config::RabbitmqConfig;
@@ -87,6 +88,8 @@ struct InFlight {
     attempts: u32,
     /// Body size, for the published-bytes counter.
     body_bytes: usize,
+    /// Bytes it holds, counted against `rabbitmq.window_bytes`.
+    held: usize,
     /// Commit time of its transaction (µs since the Unix epoch).
     commit_time_us: i64,
     published_at: Instant,
@@ -94,7 +97,12 @@ struct InFlight {
 
 impl InFlight {
     fn new(seq: Seq, content: Content, body_bytes: usize, commit_time_us: i64) -> InFlight {
+        let held = match &content {
+            Content::Event(ev) => ev.bytes(),
+            Content::DeadLetter(env) => env.body.len(),
+        };
         InFlight {
+            held,
             commit_time_us,
             seq,
             content,
@@ -211,7 +219,44 @@ struct Publisher<'a> {
     clock: ConfirmClock,
     /// Exchanges the broker said do not exist (templated exchanges): events
     /// bound for them are dead-lettered instead of closing the channel.
-    missing: &'a HashSet<String>,
+    refusals: &'a Refusals,
+    /// Events published this session.
+    sent: u64,
+    /// Bytes held by messages not yet confirmed (waiting, or waiting for a
+    /// retry), against `rabbitmq.window_bytes`.
+    held: usize,
+    /// The input queue's byte budget, given back as items are taken.
+    budget: &'a ByteBudget,
+}
+
+/// What the broker refused in earlier sessions, for the next one to route
+/// around (see [`super::replies`]).
+#[derive(Debug, Default)]
+pub struct Refusals {
+    /// Templated exchanges the broker does not have: their events are
+    /// dead-lettered.
+    pub missing: HashSet<String>,
+    /// The broker's `max_message_size`, once it said so.
+    pub max_body: Option<usize>,
+    /// Events the broker kept refusing while they were the oldest
+    /// unconfirmed one, and why: they are dead-lettered.
+    pub poison: std::collections::HashMap<String, String>,
+    /// Publish one message at a time until this many were published, so
+    /// that the next refusal is blamed on the right message.
+    pub careful_for: u64,
+    /// Set when a session fails: what it was publishing.
+    pub head: std::sync::Mutex<Option<Head>>,
+}
+
+/// The oldest unconfirmed event of a session that failed.
+#[derive(Debug, Clone)]
+pub struct Head {
+    /// Its id.
+    pub id: String,
+    /// It was published alone: surely the one the broker refused.
+    pub alone: bool,
+    /// Events the session had published.
+    pub sent: u64,
 }
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
@@ -261,6 +306,16 @@ fn fit_dead_letter(mut env: Envelope, frame_max: u32, max_body: usize) -> Envelo
 }
 
 impl Publisher<'_> {
+    /// Largest body sent: `rabbitmq.max_message_bytes`, or the broker's own
+    /// limit when it said it is lower.
+    fn max_body(&self) -> usize {
+        self.refusals
+            .max_body
+            .map_or(self.cfg.max_message_bytes, |b| {
+                b.min(self.cfg.max_message_bytes)
+            })
+    }
+
     fn advance(&self, lsn: Option<Lsn>) {
         if let Some(lsn) = lsn {
             self.metrics.confirmed_lsn.set(lsn.0);
@@ -297,16 +352,19 @@ impl Publisher<'_> {
     /// or dead-letter it.
     fn publish_event(&mut self, sink: &mut AmqpSink, ev: OutboxEvent) -> Result<(), RelayError> {
         let seq = self.cp.publish()?;
+        self.sent += 1;
         let commit_time_us = ev.commit_time_us;
         let (tag, body_bytes) = match self.message(&ev, sink.frame_max())? {
             Ok(view) => (sink.publish_view(&view)?, view.body.len()),
             Err(dl) => {
                 let f = InFlight::dead_letter(seq, commit_time_us, dl);
+                self.held += f.held;
                 let env = f.envelope()?;
                 return self.launch(sink, f, env);
             }
         };
         let f = InFlight::new(seq, Content::Event(ev), body_bytes, commit_time_us);
+        self.held += f.held;
         self.unconfirmed.push(tag, f);
         Ok(())
     }
@@ -340,7 +398,7 @@ impl Publisher<'_> {
                 error!(event_id = %event_id(ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
                 let dl = dead_letter_unrenderable(ev, &e, dlx);
                 // The dead letter carries the row's body: it must fit too.
-                let limit = self.cfg.max_message_bytes;
+                let limit = self.max_body();
                 return Ok(Err(if dl.body.len() > limit {
                     dl.without_body()
                 } else {
@@ -348,9 +406,24 @@ impl Publisher<'_> {
                 }));
             }
         };
-        if !self.missing.is_empty() {
+        if !self.refusals.poison.is_empty() {
+            if let Some(reason) = self.refusals.poison.get(m.message_id) {
+                let Some(dlx) = &self.cfg.dead_letter_exchange else {
+                    return Err(RelayError::Undeliverable {
+                        id: m.message_id.to_owned(),
+                        reason: reason.clone(),
+                    });
+                };
+                error!(event_id = %m.message_id, %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+                // Bare: whatever in its headers or body the broker refused
+                // is not sent again.
+                let dl = m.to_envelope().dead_letter(dlx, reason, 0);
+                return Ok(Err(fit_dead_letter(dl, 0, 0)));
+            }
+        }
+        if !self.refusals.missing.is_empty() {
             let exchange = m.exchange.parts().concat();
-            if self.missing.contains(&exchange) {
+            if self.refusals.missing.contains(&exchange) {
                 let reason = format!(
                     "exchange {exchange:?} does not exist on the broker (404 NOT_FOUND); declare \
                      it, or fix rabbitmq.exchange"
@@ -365,8 +438,8 @@ impl Publisher<'_> {
                 return Ok(Err(m.to_envelope().dead_letter(dlx, &reason, 0)));
             }
         }
-        if m.body.len() > self.cfg.max_message_bytes {
-            let limit = self.cfg.max_message_bytes;
+        let limit = self.max_body();
+        if m.body.len() > limit {
             let Some(dlx) = &self.cfg.dead_letter_exchange else {
                 return Err(RelayError::Undeliverable {
                     id: m.message_id.to_owned(),
@@ -402,6 +475,7 @@ impl Publisher<'_> {
                     self.published.inc();
                     self.metrics.published_bytes.inc_by(f.body_bytes as u64);
                 }
+                self.held -= f.held;
                 let moved = self.cp.confirm(f.seq)?;
                 self.advance(moved);
                 Ok(None)
@@ -431,6 +505,7 @@ impl Publisher<'_> {
                     );
                     let env = f.envelope()?;
                     let dl = self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
+                    self.held = self.held - f.held + dl.held;
                     return Ok(Some((Duration::ZERO, dl)));
                 }
                 self.metrics
@@ -461,6 +536,7 @@ impl Publisher<'_> {
                     }
                     let env = f.envelope()?;
                     let dl = self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
+                    self.held = self.held - f.held + dl.held;
                     return Ok(Some((Duration::ZERO, dl)));
                 }
                 self.metrics
@@ -486,7 +562,7 @@ impl Publisher<'_> {
         env: Envelope,
     ) -> Result<(), RelayError> {
         let env = if f.is_dead_letter() {
-            fit_dead_letter(env, sink.frame_max(), self.cfg.max_message_bytes)
+            fit_dead_letter(env, sink.frame_max(), self.max_body())
         } else {
             env
         };
@@ -512,6 +588,7 @@ impl Publisher<'_> {
 
     /// A new item from the source, in WAL order.
     fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), RelayError> {
+        self.budget.give_back(ByteBudget::cost(&item));
         match item {
             SinkItem::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
             SinkItem::Event(ev) => self.publish_event(sink, ev)?,
@@ -551,7 +628,7 @@ pub async fn run(
     sink: &mut AmqpSink,
     mut items: mpsc::Receiver<SinkItem>,
     watermark: &watch::Sender<Progress>,
-    (cfg, missing): (&RabbitmqConfig, &HashSet<String>),
+    (cfg, refusals, budget): (&RabbitmqConfig, &Refusals, &ByteBudget),
     start: Lsn,
     metrics: &Metrics,
     stop: &CancellationToken,
@@ -573,9 +650,12 @@ pub async fn run(
         settled: Vec::new(),
         retries: FuturesUnordered::new(),
         clock: ConfirmClock::new(),
-        missing,
+        refusals,
+        sent: 0,
+        held: 0,
+        budget,
     };
-    let window = cfg.window as u64;
+    let full_window = cfg.window as u64;
     let mut open = true;
     let mut drain_deadline: Option<Instant> = None;
     let mut blocked_logged = false;
@@ -590,80 +670,107 @@ pub async fn run(
         }
         Some(Instant::now() + cfg.shutdown_grace)
     };
-    loop {
-        if !open && p.cp.in_flight() == 0 {
-            return Ok(());
-        }
-        let blocked = sink.is_blocked();
-        if blocked != blocked_logged {
-            if blocked {
-                warn!("broker blocked publishing (resource alarm); pausing WAL reading");
-            } else {
-                info!("broker unblocked publishing; resuming");
+    let r: Result<(), RelayError> = async {
+        loop {
+            if !open && p.cp.in_flight() == 0 {
+                return Ok(());
             }
-            metrics.blocked.set(i64::from(blocked));
-            blocked_logged = blocked;
-        }
-        let room = |p: &Publisher<'_>, open: bool| open && !blocked && p.cp.in_flight() < window;
-        // Priorities: broker answers first (they free the window and move
-        // the watermark; waiting for them writes what is queued), then due
-        // retries, then new WAL.
-        tokio::select! {
-            biased;
-            ev = sink.answer() => p.on_answer(ev?)?,
-            Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked => {
-                let env = f.envelope()?;
-                p.launch(sink, f, env)?;
-            }
-            item = items.recv(), if room(&p, open) => match item {
-                None => {
-                    open = false;
-                    drain_deadline = closing(&p);
+            let blocked = sink.is_blocked();
+            if blocked != blocked_logged {
+                if blocked {
+                    warn!("broker blocked publishing (resource alarm); pausing WAL reading");
+                } else {
+                    info!("broker unblocked publishing; resuming");
                 }
-                Some(item) => {
-                    p.on_item(sink, item)?;
-                    // Take what else is ready, so it goes out in one write.
-                    for _ in 1..BATCH {
-                        if !room(&p, open) || sink.wants_flush() {
-                            break;
-                        }
-                        match items.try_recv() {
-                            Ok(item) => p.on_item(sink, item)?,
-                            Err(TryRecvError::Empty) => break,
-                            Err(TryRecvError::Disconnected) => {
-                                open = false;
-                                drain_deadline = closing(&p);
+                metrics.blocked.set(i64::from(blocked));
+                blocked_logged = blocked;
+            }
+            // Room for more: within the window's count and bytes (one message
+            // always goes, however large), and the write buffer not backed up
+            // (the broker applying TCP flow control).
+            let room = |p: &Publisher<'_>, sink: &AmqpSink, open: bool| {
+                let window = if p.sent < refusals.careful_for {
+                    1
+                } else {
+                    full_window
+                };
+                open && !blocked
+                    && p.cp.in_flight() < window
+                    && (p.held < cfg.window_bytes || p.cp.in_flight() == 0)
+                    && !sink.wants_flush()
+            };
+            // Priorities: broker answers first (they free the window and move
+            // the watermark; waiting for them writes what is queued), then due
+            // retries, then new WAL.
+            tokio::select! {
+                biased;
+                ev = sink.answer() => p.on_answer(ev?)?,
+                Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked && !sink.wants_flush() => {
+                    let env = f.envelope()?;
+                    p.launch(sink, f, env)?;
+                }
+                item = items.recv(), if room(&p, sink, open) => match item {
+                    None => {
+                        open = false;
+                        drain_deadline = closing(&p);
+                    }
+                    Some(item) => {
+                        p.on_item(sink, item)?;
+                        // Take what else is ready, so it goes out in one write.
+                        for _ in 1..BATCH {
+                            if !room(&p, sink, open) {
                                 break;
+                            }
+                            match items.try_recv() {
+                                Ok(item) => p.on_item(sink, item)?,
+                                Err(TryRecvError::Empty) => break,
+                                Err(TryRecvError::Disconnected) => {
+                                    open = false;
+                                    drain_deadline = closing(&p);
+                                    break;
+                                }
                             }
                         }
                     }
+                },
+                // Shutdown: take no more WAL, give outstanding confirms the grace
+                // period. (While the broker blocks us the item channel is not
+                // read, so its closing cannot be what starts the clock.)
+                _ = stop.cancelled(), if drain_deadline.is_none() => {
+                    open = false;
+                    drain_deadline = closing(&p);
                 }
-            },
-            // Shutdown: take no more WAL, give outstanding confirms the grace
-            // period. (While the broker blocks us the item channel is not
-            // read, so its closing cannot be what starts the clock.)
-            _ = stop.cancelled(), if drain_deadline.is_none() => {
-                open = false;
-                drain_deadline = closing(&p);
-            }
-            _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
-                warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
-                return Ok(());
-            }
-            _ = gauges.tick() => {
-                p.update_gauges();
-                sink.tick()?;
-                let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
-                if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
-                    return Err(SinkError::ConfirmTimeout {
-                        in_flight: p.unconfirmed.len() as u64,
-                        secs: cfg.confirm_timeout.as_secs(),
+                _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
+                    warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
+                    return Ok(());
+                }
+                _ = gauges.tick() => {
+                    p.update_gauges();
+                    sink.tick()?;
+                    let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
+                    if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
+                        return Err(SinkError::ConfirmTimeout {
+                            in_flight: p.unconfirmed.len() as u64,
+                            secs: cfg.confirm_timeout.as_secs(),
+                        }
+                        .into());
                     }
-                    .into());
                 }
             }
         }
     }
+    .await;
+    if r.is_err() {
+        // Which message the session failed with, for the next one to blame
+        // if this keeps happening (see `replies`).
+        let (alone, sent) = (p.sent <= refusals.careful_for, p.sent);
+        *refusals.head.lock().expect("not poisoned") = p
+            .unconfirmed
+            .oldest()
+            .and_then(InFlight::message_id)
+            .map(|id| Head { id, alone, sent });
+    }
+    r
 }
 
 #[cfg(test)]

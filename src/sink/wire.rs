@@ -48,10 +48,8 @@ const CONTROL_CHANNEL: u16 = 2;
 const DEFAULT_FRAME_MAX: u32 = 131_072;
 /// Flush the write buffer once it holds this much, even mid-batch.
 const WRITE_HIGH_WATER: usize = 64 * 1024;
-
-/// AMQP reply codes after which retrying cannot help: access refused, not
-/// found, not allowed.
-const PERMANENT_CODES: [u16; 3] = [403, 404, 530];
+/// An empty write buffer larger than this is shrunk back.
+const WRITE_KEEP: usize = 1024 * 1024;
 
 /// What went wrong on the connection.
 #[derive(Debug, thiserror::Error)]
@@ -102,13 +100,21 @@ impl WireError {
         }
     }
 
+    /// What it means for the relay (see [`super::replies`]).
+    pub fn disposition(&self) -> super::replies::Disposition {
+        use super::replies::{Disposition, disposition};
+        match self {
+            WireError::Unsupported(_) => Disposition::Stop,
+            WireError::ChannelClosed { code, text } => disposition(true, *code, text),
+            WireError::ConnectionClosed { code, text } => disposition(false, *code, text),
+            _ => Disposition::Transient,
+        }
+    }
+
     /// False when the operator must change something (credentials,
     /// permissions, a missing exchange or vhost).
     pub fn is_transient(&self) -> bool {
-        match self {
-            WireError::Unsupported(_) => false,
-            _ => !self.code().is_some_and(|c| PERMANENT_CODES.contains(&c)),
-        }
+        self.disposition() != super::replies::Disposition::Stop
     }
 }
 
@@ -231,22 +237,7 @@ impl Wire {
             }
             (AMQPScheme::AMQP, _) => Box::new(tcp),
         };
-        let now = Instant::now();
-        let mut w = Wire {
-            io,
-            rbuf: BytesMut::with_capacity(64 * 1024),
-            wbuf: Vec::with_capacity(64 * 1024),
-            written: 0,
-            unflushed: false,
-            frame_max: DEFAULT_FRAME_MAX,
-            heartbeat: None,
-            last_read: now,
-            last_write: now,
-            next_tag: 1,
-            blocked: false,
-            returning: None,
-            broken: false,
-        };
+        let mut w = Wire::over(io);
         match w.handshake(target).await {
             Ok(()) => Ok(w),
             Err(e) => {
@@ -386,6 +377,26 @@ impl Wire {
         match self.method(CONTROL_CHANNEL).await? {
             AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => Ok(true),
             other => Err(unexpected("channel.close-ok", &other)),
+        }
+    }
+
+    /// A connection over `io`, before the handshake.
+    fn over(io: Box<dyn Io>) -> Wire {
+        let now = Instant::now();
+        Wire {
+            io,
+            rbuf: BytesMut::with_capacity(64 * 1024),
+            wbuf: Vec::with_capacity(64 * 1024),
+            written: 0,
+            unflushed: false,
+            frame_max: DEFAULT_FRAME_MAX,
+            heartbeat: None,
+            last_read: now,
+            last_write: now,
+            next_tag: 1,
+            blocked: false,
+            returning: None,
+            broken: false,
         }
     }
 
@@ -665,11 +676,25 @@ impl Wire {
                     self.last_write = Instant::now();
                 }
                 Poll::Ready(Err(e)) => return Err(e.into()),
-                Poll::Pending => return Ok(()),
+                Poll::Pending => {
+                    // The socket is full (the broker reads slowly, or
+                    // applies flow control): drop what is written once it is
+                    // the larger part, so the buffer holds at most twice
+                    // what is unwritten, and each byte moves at most once.
+                    if self.written >= self.wbuf.len() - self.written {
+                        self.wbuf.drain(..self.written);
+                        self.written = 0;
+                    }
+                    return Ok(());
+                }
             }
         }
         self.wbuf.clear();
         self.written = 0;
+        // One huge message must not pin its size for the connection's life.
+        if self.wbuf.capacity() > WRITE_KEEP {
+            self.wbuf.shrink_to(WRITE_HIGH_WATER);
+        }
         if self.unflushed {
             match Pin::new(&mut self.io).poll_flush(cx) {
                 Poll::Ready(Ok(())) => self.unflushed = false,
@@ -927,6 +952,54 @@ mod tests {
     use super::*;
     use crate::message::Name;
     use proptest::prelude::*;
+
+    /// A broker that reads more slowly than the relay publishes: the
+    /// written front of the buffer is dropped as it goes, so the buffer
+    /// stays within twice what is unwritten, and the bytes that arrive are
+    /// exactly the messages, in order.
+    #[test]
+    fn the_write_buffer_is_compacted_after_partial_writes() {
+        use tokio::io::AsyncRead;
+        let (client, mut broker) = tokio::io::duplex(8 * 1024);
+        let mut w = Wire::over(Box::new(client));
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let env = |i: usize| Envelope {
+            exchange: "ex".into(),
+            routing_key: format!("rk{i}").into(),
+            body: bytes::Bytes::from(vec![(i % 251) as u8; 10_000]),
+            properties: lapin::BasicProperties::default(),
+        };
+        let mut expected = Vec::new();
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 8 * 1024];
+        let read = |broker: &mut tokio::io::DuplexStream, got: &mut Vec<u8>, chunk: &mut [u8]| {
+            let mut cx = Context::from_waker(&waker);
+            let mut rb = tokio::io::ReadBuf::new(chunk);
+            if let Poll::Ready(Ok(())) = Pin::new(broker).poll_read(&mut cx, &mut rb) {
+                got.extend_from_slice(rb.filled());
+            }
+        };
+        for i in 0..200 {
+            expected = encode_envelope(expected, w.frame_max, env(i)).unwrap();
+            w.publish(env(i)).unwrap();
+            w.poll_write(&mut cx).unwrap();
+            let unwritten = w.wbuf.len() - w.written;
+            assert!(
+                w.wbuf.len() <= 2 * unwritten,
+                "round {i}: {} bytes buffered for {unwritten} unwritten",
+                w.wbuf.len()
+            );
+            read(&mut broker, &mut got, &mut chunk);
+        }
+        while w.written < w.wbuf.len() || got.len() < expected.len() {
+            w.poll_write(&mut cx).unwrap();
+            read(&mut broker, &mut got, &mut chunk);
+        }
+        assert_eq!(got.len(), expected.len());
+        assert!(got == expected, "the bytes on the wire differ");
+        assert!(w.wbuf.capacity() <= WRITE_KEEP, "{}", w.wbuf.capacity());
+    }
 
     fn name(parts: &[String]) -> Name<'_> {
         parts.iter().fold(Name::literal(""), |n, p| n.join(p))

@@ -11,16 +11,132 @@ use super::{SourceError, sql_err};
 use crate::config::Config;
 use crate::sink::publisher::Progress;
 
-/// DDL of the checkpoint table (also in `sql/checkpoint.sql`).
+/// DDL of the checkpoint table (also in `sql/checkpoint.sql`): created, and
+/// brought up to date when an older version made it. The columns are added
+/// only when missing, so a role that does not own the table can run it once
+/// they exist.
 pub fn create_sql(cfg: &Config) -> String {
+    let t = cfg.postgres.checkpoint_table.quoted();
+    let literal = t.replace('\'', "''");
     format!(
-        "CREATE TABLE IF NOT EXISTS {} (\n  \
+        "CREATE TABLE IF NOT EXISTS {t} (\n  \
            slot_name        text PRIMARY KEY,\n  \
            confirmed_lsn    pg_lsn NOT NULL,\n  \
            last_commit_time timestamptz,\n  \
-           written_at       timestamptz NOT NULL DEFAULT now()\n)",
-        cfg.postgres.checkpoint_table.quoted()
+           written_at       timestamptz NOT NULL DEFAULT now()\n);\n\
+         DO $outbox_relay$ BEGIN\n\
+           IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass \
+                          AND attname = 'recovery_done' AND NOT attisdropped) THEN\n\
+             ALTER TABLE {t}\n  \
+               ADD COLUMN IF NOT EXISTS longest_tx_secs        float8,\n  \
+               ADD COLUMN IF NOT EXISTS recovery_since         timestamptz,\n  \
+               ADD COLUMN IF NOT EXISTS recovery_after_created timestamptz,\n  \
+               ADD COLUMN IF NOT EXISTS recovery_after_id      text,\n  \
+               ADD COLUMN IF NOT EXISTS recovery_done          bigint;\n\
+           END IF;\n\
+         END $outbox_relay$"
     )
+}
+
+/// Records the longest-running transaction seen (seconds), if longer than
+/// the one recorded: `recover` sizes its window from it when
+/// `track_commit_timestamp` is off.
+pub async fn record_longest_tx(
+    client: &Client,
+    cfg: &Config,
+    secs: f64,
+) -> Result<(), SourceError> {
+    let sql = format!(
+        "UPDATE {} SET longest_tx_secs = $2 WHERE slot_name = $1 \
+         AND (longest_tx_secs IS NULL OR longest_tx_secs < $2)",
+        cfg.postgres.checkpoint_table.quoted()
+    );
+    client
+        .execute(&sql, &[&cfg.postgres.slot, &secs])
+        .await
+        .map_err(sql_err(&cfg.postgres, "recording the longest transaction"))?;
+    Ok(())
+}
+
+/// A recovery recorded before its slot was made, and how far it got.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovery {
+    /// Rows created (or committed) at or after this are re-published
+    /// (PostgreSQL's text form of a timestamptz).
+    pub since: String,
+    /// The last row confirmed so far, as (created_at, id) in text form.
+    pub after: Option<(String, String)>,
+    /// Rows confirmed so far.
+    pub done: i64,
+}
+
+/// The recovery under way for the configured slot, if any (`None` also
+/// when the table predates recoveries).
+pub async fn pending_recovery(
+    client: &Client,
+    cfg: &Config,
+) -> Result<Option<Recovery>, SourceError> {
+    let sql = format!(
+        "SELECT recovery_since::text, recovery_after_created::text, recovery_after_id, \
+                coalesce(recovery_done, 0) \
+         FROM {} WHERE slot_name = $1 AND recovery_since IS NOT NULL",
+        cfg.postgres.checkpoint_table.quoted()
+    );
+    match client.query_opt(&sql, &[&cfg.postgres.slot]).await {
+        Ok(row) => Ok(row.map(|r| Recovery {
+            since: r.get(0),
+            after: r
+                .get::<_, Option<String>>(1)
+                .zip(r.get::<_, Option<String>>(2)),
+            done: r.get(3),
+        })),
+        // 42P01 no table, 42703 no column: no recovery was ever recorded.
+        Err(e)
+            if e.code()
+                .is_some_and(|c| ["42P01", "42703"].contains(&c.code())) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(sql_err(&cfg.postgres, "reading the recovery")(e)),
+    }
+}
+
+/// Records (`Some`) or ends (`None`) the recovery of the configured slot.
+/// The checkpoint row exists: a recovery starts from it.
+pub async fn set_recovery(
+    client: &Client,
+    cfg: &Config,
+    r: Option<&Recovery>,
+) -> Result<(), SourceError> {
+    let sql = format!(
+        "UPDATE {} SET recovery_since = $2::text::timestamptz, \
+            recovery_after_created = $3::text::timestamptz, recovery_after_id = $4, \
+            recovery_done = $5 WHERE slot_name = $1",
+        cfg.postgres.checkpoint_table.quoted()
+    );
+    let (since, created, id, done) = match r {
+        Some(r) => (
+            Some(r.since.as_str()),
+            r.after.as_ref().map(|a| a.0.as_str()),
+            r.after.as_ref().map(|a| a.1.as_str()),
+            Some(r.done),
+        ),
+        None => (None, None, None, None),
+    };
+    let n = client
+        .execute(&sql, &[&cfg.postgres.slot, &since, &created, &id, &done])
+        .await
+        .map_err(sql_err(
+            &cfg.postgres,
+            "recording the recovery (run `outbox-relay setup` to update the checkpoint table)",
+        ))?;
+    if n == 0 && r.is_some() {
+        return Err(SourceError::Setup(format!(
+            "no checkpoint row for slot {:?} in {}",
+            cfg.postgres.slot, cfg.postgres.checkpoint_table
+        )));
+    }
+    Ok(())
 }
 
 /// Records `p` for the configured slot.
@@ -54,6 +170,9 @@ pub struct Recorded {
     pub written_at: String,
     /// Seconds since it was written.
     pub age_seconds: f64,
+    /// The longest-running transaction the relay has seen, in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub longest_tx_secs: Option<f64>,
 }
 
 /// Reads the checkpoint of the configured slot; `None` if none was recorded
@@ -64,8 +183,9 @@ pub async fn read(client: &Client, cfg: &Config) -> Result<Option<Recorded>, Sou
                 to_char(last_commit_time AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                 (extract(epoch FROM last_commit_time) * 1e6)::bigint, \
                 to_char(written_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
-                extract(epoch FROM now() - written_at)::float8 \
-         FROM {} WHERE slot_name = $1",
+                extract(epoch FROM now() - written_at)::float8, \
+                (to_jsonb(c) ->> 'longest_tx_secs')::float8 \
+         FROM {} c WHERE slot_name = $1",
         cfg.postgres.checkpoint_table.quoted()
     );
     match client.query_opt(&sql, &[&cfg.postgres.slot]).await {
@@ -75,6 +195,7 @@ pub async fn read(client: &Client, cfg: &Config) -> Result<Option<Recorded>, Sou
             last_commit_time_us: r.get(2),
             written_at: r.get(3),
             age_seconds: r.get(4),
+            longest_tx_secs: r.get(5),
         })),
         // 42P01: the table does not exist (setup not run since upgrading).
         Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => Ok(None),

@@ -2,6 +2,7 @@
 //! replication stream.
 
 pub mod checkpoint_table;
+pub mod longest_tx;
 pub mod silence;
 pub mod slot;
 

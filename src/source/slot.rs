@@ -300,7 +300,8 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
     // concurrent create (unique violation on pg_type): serialize it.
     client
         .batch_execute(&format!(
-            "BEGIN; SELECT pg_advisory_xact_lock(hashtext('outbox-relay setup')); {}; COMMIT",
+            "BEGIN; SET LOCAL client_min_messages = warning; \
+             SELECT pg_advisory_xact_lock(hashtext('outbox-relay setup')); {}; COMMIT",
             super::checkpoint_table::create_sql(cfg)
         ))
         .await

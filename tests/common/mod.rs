@@ -407,6 +407,63 @@ listen = "127.0.0.1:0"
         }
     }
 
+    /// Sends everything the test exchange routes to a transient queue that
+    /// keeps only the newest few messages (the test queue is unbound): for
+    /// gigabytes of large rows that nobody reads back.
+    pub async fn bottomless_queue(&self) {
+        let ch = self.amqp.create_channel().await.unwrap();
+        let q = self.scoped("bottomless");
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongInt(8));
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+        ch.queue_bind(
+            q.as_str().into(),
+            self.exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        self.rebind_queue("nothing.is.routed.here").await;
+    }
+
+    /// Inserts `rows` rows whose payload is about `bytes` bytes, `per_tx`
+    /// rows per transaction; returns the WAL position after the last commit.
+    pub async fn insert_large(&self, pg: &Client, rows: i64, bytes: i64, per_tx: i64) -> Lsn {
+        let mut done = 0;
+        while done < rows {
+            let n = per_tx.min(rows - done);
+            pg.execute(
+                &format!(
+                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+                     SELECT 'big', 'b' || g, 'large', jsonb_build_object('pad', repeat(md5(g::text), ($2::bigint / 32)::int)) \
+                     FROM generate_series(1, $1::bigint) g",
+                    self.table
+                ),
+                &[&n, &bytes],
+            )
+            .await
+            .unwrap();
+            done += n;
+        }
+        let lsn: String = pg
+            .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        lsn.parse().unwrap()
+    }
+
     /// Re-binds the test queue to the test exchange with `key` only.
     pub async fn rebind_queue(&self, key: &str) {
         let ch = self.amqp.create_channel().await.unwrap();

@@ -1,0 +1,74 @@
+//! The publisher's input queue bounded in bytes as well as in items.
+//!
+//! The queue between the source and the publisher holds a fixed number of
+//! items; with 1 MiB rows that count alone would be hundreds of MiB. Large
+//! rows therefore also take their size from a byte budget before they are
+//! queued, and give it back when the publisher takes them. Small rows (the
+//! common case) take nothing: the item count bounds them, and the hot path
+//! does no bookkeeping for them.
+
+use tokio::sync::Semaphore;
+
+use super::publisher::SinkItem;
+
+/// Rows smaller than this are bounded by the queue's item count alone.
+pub const SMALL_ROW: usize = 16 * 1024;
+
+/// Bytes of large rows waiting in the queue at most (one row is always let
+/// through, however large).
+pub const QUEUE_BYTES: usize = 16 * 1024 * 1024;
+
+/// A byte budget shared by the two ends of one session's queue.
+#[derive(Debug)]
+pub struct ByteBudget {
+    bytes: Semaphore,
+}
+
+impl Default for ByteBudget {
+    fn default() -> Self {
+        ByteBudget {
+            bytes: Semaphore::new(QUEUE_BYTES),
+        }
+    }
+}
+
+impl ByteBudget {
+    /// What queueing `item` costs: its row's size, capped at the whole
+    /// budget (so any row can pass once the queue is empty); 0 for anything
+    /// small.
+    pub fn cost(item: &SinkItem) -> u32 {
+        match item {
+            SinkItem::Event(ev) => {
+                let n = ev.bytes();
+                if n < SMALL_ROW {
+                    0
+                } else {
+                    n.min(QUEUE_BYTES) as u32
+                }
+            }
+            _ => 0,
+        }
+    }
+
+    /// Waits until `cost` bytes are free, and takes them. Cancel-safe.
+    pub async fn take(&self, cost: u32) {
+        if cost == 0 {
+            return;
+        }
+        if let Ok(permit) = self.bytes.acquire_many(cost).await {
+            permit.forget();
+        }
+    }
+
+    /// The publisher took an item that cost `cost`.
+    pub fn give_back(&self, cost: u32) {
+        if cost > 0 {
+            self.bytes.add_permits(cost as usize);
+        }
+    }
+
+    /// Bytes free now (for tests).
+    pub fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
+}

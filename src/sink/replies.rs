@@ -1,0 +1,114 @@
+//! What each broker refusal means for the relay: the one table.
+//!
+//! | broker says | where | relay does |
+//! |---|---|---|
+//! | 312 NO_ROUTE | `basic.return`, one message | publish again `rabbitmq.unroutable_retries` times with backoff, then dead-letter |
+//! | `basic.nack` | one message | publish again with backoff; after 10 nacks, dead-letter |
+//! | 404 NOT_FOUND "no exchange" | `channel.close`, a templated exchange | dead-letter that exchange's events (with a dead-letter exchange), else stop |
+//! | 406 PRECONDITION_FAILED "message size … larger than … max size N" | `channel.close`, one message | learn N: bodies above it are dead-lettered without the body (with a dead-letter exchange), else stop |
+//! | 406 (other), 501 FRAME_ERROR, 502 SYNTAX_ERROR, 503 COMMAND_INVALID, 505 UNEXPECTED_FRAME, 540 NOT_IMPLEMENTED | `channel.close` / `connection.close` | reconnect and replay one message at a time past where the session failed; after 3 such failures with the same message alone in flight, dead-letter it bare (no body, no user headers) |
+//! | 403 ACCESS_REFUSED, 404 (other), 530 NOT_ALLOWED | either | stop: credentials, permissions, vhost or exchange to fix |
+//! | 320 CONNECTION_FORCED, 506 RESOURCE_ERROR, 541 INTERNAL_ERROR, any other, a lost connection | either | reconnect with backoff and replay |
+//!
+//! Dead letters carry `x-outbox-error` saying why. Without
+//! `rabbitmq.dead_letter_exchange`, a per-message refusal stops the relay
+//! with the event's id instead.
+
+/// What one refusal means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Reconnect and replay.
+    Transient,
+    /// The operator must change something.
+    Stop,
+    /// A templated exchange rendered to a name the broker does not have.
+    MissingExchange(String),
+    /// The broker takes bodies of at most this many bytes.
+    BodyLimit(usize),
+    /// Blamed on the oldest unconfirmed message.
+    HeadOfWindow,
+}
+
+/// The row of the table for a `channel.close` (`channel`) or a
+/// `connection.close` with `code` and `text`.
+pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
+    match code {
+        403 | 530 => Disposition::Stop,
+        404 => match missing_exchange(text) {
+            Some(x) if channel => Disposition::MissingExchange(x),
+            _ => Disposition::Stop,
+        },
+        406 => match body_limit(text) {
+            Some(n) => Disposition::BodyLimit(n),
+            None => Disposition::HeadOfWindow,
+        },
+        501 | 502 | 503 | 505 | 540 => Disposition::HeadOfWindow,
+        _ => Disposition::Transient,
+    }
+}
+
+/// "NOT_FOUND - no exchange 'X' in vhost 'V'": X. A text the broker cut
+/// short is not guessed at.
+fn missing_exchange(text: &str) -> Option<String> {
+    let rest = text.split_once("no exchange '")?.1;
+    let end = rest.rfind("' in vhost")?;
+    Some(rest[..end].to_owned())
+}
+
+/// "PRECONDITION_FAILED - message size 2000000 is larger than configured
+/// max size 1048576": 1048576.
+fn body_limit(text: &str) -> Option<usize> {
+    let rest = text.split_once("message size ")?.1;
+    let rest = rest.split_once("larger than")?.1;
+    let rest = rest.split_once("max size ")?.1;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table() {
+        let d = |code, text| disposition(true, code, text);
+        assert_eq!(
+            d(
+                406,
+                "PRECONDITION_FAILED - message size 2000000 is larger than configured max size 1048576"
+            ),
+            Disposition::BodyLimit(1_048_576)
+        );
+        assert_eq!(
+            d(
+                406,
+                "PRECONDITION_FAILED - message size 9 is larger than max size 8"
+            ),
+            Disposition::BodyLimit(8)
+        );
+        assert_eq!(
+            d(406, "PRECONDITION_FAILED - invalid expiration"),
+            Disposition::HeadOfWindow
+        );
+        assert_eq!(
+            d(404, "NOT_FOUND - no exchange 'a' in vhost '/'"),
+            Disposition::MissingExchange("a".into())
+        );
+        assert_eq!(
+            disposition(false, 404, "NOT_FOUND - no exchange 'a' in vhost '/'"),
+            Disposition::Stop
+        );
+        assert_eq!(
+            d(404, "NOT_FOUND - no exchange 'a-very-long..."),
+            Disposition::Stop
+        );
+        assert_eq!(d(403, "ACCESS_REFUSED"), Disposition::Stop);
+        assert_eq!(d(530, "NOT_ALLOWED"), Disposition::Stop);
+        for code in [501, 502, 503, 505, 540] {
+            assert_eq!(d(code, ""), Disposition::HeadOfWindow, "{code}");
+        }
+        for code in [320, 506, 541, 999] {
+            assert_eq!(d(code, ""), Disposition::Transient, "{code}");
+        }
+    }
+}
