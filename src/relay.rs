@@ -711,6 +711,90 @@ async fn source_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sink::wire::WireError;
+
+    fn config(dlx: bool) -> Config {
+        let dlx = if dlx {
+            "dead_letter_exchange = \"dlx\"\n"
+        } else {
+            ""
+        };
+        let text = format!(
+            "[postgres]\nurl = \"postgres://u@h/db\"\n[outbox]\ntable = \"public.outbox\"\n\
+             [rabbitmq]\nurl = \"amqp://h\"\nexchange = \"{{aggregate_type}}\"\nwindow = 100\n{dlx}"
+        );
+        Config::from_toml(&text, "test.toml", Vec::new()).unwrap()
+    }
+
+    fn closed(code: u16, text: &str) -> SinkError {
+        SinkError::Amqp {
+            what: "publishing",
+            url: String::new(),
+            source: WireError::ChannelClosed {
+                code,
+                text: text.into(),
+            },
+        }
+    }
+
+    fn head(id: &str, alone: bool, sent: u64) -> Option<Head> {
+        Some(Head {
+            id: id.into(),
+            alone,
+            sent,
+        })
+    }
+
+    /// A refusal blamed on a message: first the replay goes one message at
+    /// a time past where the session failed; the same message refused
+    /// alone three times is dead-lettered; its dead letter refused as well
+    /// stops the relay.
+    #[test]
+    fn a_message_the_broker_keeps_refusing_is_found_then_dead_lettered() {
+        let cfg = config(true);
+        let (mut r, mut strikes) = (Refusals::default(), Default::default());
+        let e = closed(505, "UNEXPECTED_FRAME");
+        assert!(learn(&cfg, &e, head("a", false, 700), &mut r, &mut strikes).is_none());
+        assert_eq!(r.careful_for, 800);
+        assert!(r.poison.is_empty(), "not alone: not blamed");
+        for n in 1..=3 {
+            assert!(learn(&cfg, &e, head("k", true, 5), &mut r, &mut strikes).is_none());
+            assert_eq!(r.poison.contains_key("k"), n == 3, "after {n}");
+        }
+        assert!(r.poison["k"].contains("UNEXPECTED_FRAME"));
+        assert_eq!(r.careful_for, 800, "never shrinks while failing");
+        for _ in 4..=6 {
+            assert!(learn(&cfg, &e, head("k", true, 1), &mut r, &mut strikes).is_none());
+        }
+        let stop = learn(&cfg, &e, head("k", true, 1), &mut r, &mut strikes).unwrap();
+        assert!(stop.to_string().contains("even as a dead letter"), "{stop}");
+        assert!(!stop.is_transient());
+    }
+
+    #[test]
+    fn the_brokers_body_limit_is_learnt_or_stops_without_a_dead_letter_exchange() {
+        let e = closed(
+            406,
+            "PRECONDITION_FAILED - message size 200000 is larger than configured max size 65536",
+        );
+        let (mut r, mut strikes) = (Refusals::default(), Default::default());
+        assert!(learn(&config(true), &e, head("b", false, 1), &mut r, &mut strikes).is_none());
+        assert_eq!(r.max_body, Some(65_536));
+        let (mut r, mut strikes) = (Refusals::default(), Default::default());
+        let stop = learn(
+            &config(false),
+            &e,
+            head("b", false, 1),
+            &mut r,
+            &mut strikes,
+        )
+        .unwrap();
+        let text = stop.to_string();
+        assert!(
+            text.contains("rabbitmq.max_message_bytes") && text.contains("65536"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn backoff_grows_is_capped_and_jittered() {
