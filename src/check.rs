@@ -34,7 +34,6 @@ use std::time::Duration;
 use lapin::options::ExchangeDeclareOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::FieldTable;
-use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
@@ -911,10 +910,11 @@ fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> String {
 async fn broker_connect(cfg: &Config) -> (Line, Option<Connection>) {
     let url = cfg.rabbitmq.url.expose();
     let what = format!("RabbitMQ reachable at {}", redact_url(url));
-    let (user, vhost) = match url.parse::<AMQPUri>() {
-        Ok(u) => (u.authority.userinfo.username, u.vhost),
+    let uri = match crate::sink::parse_amqp_url(url) {
+        Ok(u) => u,
         Err(e) => return (Line::fail(what, format!("not a valid AMQP URL: {e}")), None),
     };
+    let (user, vhost) = (uri.authority.userinfo.username.clone(), uri.vhost.clone());
     let props = ConnectionProperties::default().with_connection_name("outbox-relay check".into());
     // The same TLS set-up as the relay's own connection (amqps:// only).
     // `ca_file` is set for every amqps:// URL (the configured CA, or the
@@ -929,9 +929,11 @@ async fn broker_connect(cfg: &Config) -> (Line, Option<Connection>) {
         Some(Err(e)) => return (Line::fail(what, format!("rabbitmq.ca_file: {e}")), None),
         None => lapin::tcp::OwnedTLSConfig::default(),
     };
-    if let (Ok(uri), Some(roots)) = (url.parse::<AMQPUri>(), cfg.rabbitmq.ca_file.as_deref()) {
+    if let Some(roots) = cfg.rabbitmq.ca_file.as_deref() {
         if uri.scheme == lapin::uri::AMQPScheme::AMQPS {
-            let (host, port) = (uri.authority.host.as_str(), uri.authority.port);
+            let host = uri.authority.host.as_str();
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let port = uri.authority.port;
             let shake = crate::tls::rabbitmq_handshake(host, port, roots);
             if let Ok(Err(e)) = tokio::time::timeout(CHECK_TIMEOUT, shake).await {
                 if let Some(f) = TlsFailure::find(&e).filter(TlsFailure::is_permanent) {
@@ -943,7 +945,7 @@ async fn broker_connect(cfg: &Config) -> (Line, Option<Connection>) {
     }
     let builder = match lapin::DefaultConnectionBuilder::new() {
         Ok(b) => b
-            .with_uri_str(url.to_owned())
+            .with_uri(uri.clone())
             .with_properties(props)
             .with_tls_config(tls),
         Err(e) => return (Line::fail(what, e.to_string()), None),

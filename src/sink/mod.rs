@@ -12,6 +12,8 @@
 //! the publishing task itself (see there why not lapin).
 
 pub mod budget;
+#[cfg(test)]
+mod conformance;
 pub mod publisher;
 pub mod replies;
 pub mod wire;
@@ -130,6 +132,21 @@ impl SinkError {
     }
 }
 
+/// Parses `rabbitmq.url`. amq-protocol-uri reads only a domain name as the
+/// host and puts "localhost" in place of an IP address (`amqp://10.0.0.5/`
+/// would connect to this machine): the host is taken from the URL here,
+/// an IPv6 literal in brackets (`[::1]`).
+pub fn parse_amqp_url(url: &str) -> Result<lapin::uri::AMQPUri, String> {
+    let mut uri: lapin::uri::AMQPUri = url.parse()?;
+    let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
+    match parsed.host() {
+        Some(url::Host::Domain(_)) | None => {}
+        Some(url::Host::Ipv4(ip)) => uri.authority.host = ip.to_string(),
+        Some(url::Host::Ipv6(ip)) => uri.authority.host = format!("[{ip}]"),
+    }
+    Ok(uri)
+}
+
 /// Deadline for connecting and for each control call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -149,10 +166,7 @@ impl AmqpSink {
             url: url.clone(),
             source,
         };
-        let uri = cfg
-            .url
-            .expose()
-            .parse()
+        let uri = parse_amqp_url(cfg.url.expose())
             .map_err(|e: String| amqp("parsing rabbitmq.url", WireError::Unsupported(e)))?;
         // `ca_file` is set for every amqps:// URL (the configured CA, or
         // the system bundle), and trusted alone.
@@ -410,6 +424,20 @@ impl<T> Unconfirmed<T> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_ip_address_in_the_url_is_the_host_connected_to() {
+        let host = |u: &str| parse_amqp_url(u).unwrap().authority.host;
+        assert_eq!(host("amqp://u:p@10.0.0.5:5673/v"), "10.0.0.5");
+        assert_eq!(host("amqp://[::1]/"), "[::1]");
+        assert_eq!(host("amqps://[2001:db8::7]:5671/%2f"), "[2001:db8::7]");
+        assert_eq!(host("amqp://rabbit.example/"), "rabbit.example");
+        assert_eq!(host("amqp://rabbit%2dx.example/"), "rabbit-x.example");
+        let uri = parse_amqp_url("amqp://u:p@127.0.0.2:5999/v?frame_max=4096").unwrap();
+        assert_eq!(uri.authority.port, 5999);
+        assert_eq!(uri.vhost, "v");
+        assert_eq!(uri.query.frame_max, Some(4096));
+    }
+
     #[test]
     fn the_missing_exchange_is_read_from_the_404() {
         let closed = |code, text: &str| SinkError::Amqp {

@@ -7,8 +7,10 @@
 //! | 404 NOT_FOUND "no exchange" | `channel.close`, a templated exchange | dead-letter that exchange's events (with a dead-letter exchange), else stop |
 //! | 406 PRECONDITION_FAILED "message size … larger than … max size N" | `channel.close`, one message | learn N: bodies above it are dead-lettered without the body (with a dead-letter exchange), else stop |
 //! | 406 (other), 501 FRAME_ERROR, 502 SYNTAX_ERROR, 503 COMMAND_INVALID, 505 UNEXPECTED_FRAME, 540 NOT_IMPLEMENTED | `channel.close` / `connection.close` | reconnect and replay one message at a time past where the session failed; after 3 such failures with the same message alone in flight, dead-letter it bare (no body, no user headers) |
-//! | 403 ACCESS_REFUSED, 404 (other), 530 NOT_ALLOWED | either | stop: credentials, permissions, vhost or exchange to fix |
+//! | 403 ACCESS_REFUSED, 404 (other) | either | stop: credentials, permissions or exchange to fix |
+//! | 530 NOT_ALLOWED | either | reconnect with backoff: a vhost that is down or being made, a connection limit reached |
 //! | 320 CONNECTION_FORCED, 506 RESOURCE_ERROR, 541 INTERNAL_ERROR, any other, a lost connection | either | reconnect with backoff and replay |
+//! | not AMQP at all (TLS, HTTP) on the port | handshake | stop: fix `rabbitmq.url` (`amqps://` for a TLS port) |
 //!
 //! Dead letters carry `x-outbox-error` saying why. Without
 //! `rabbitmq.dead_letter_exchange`, a per-message refusal stops the relay
@@ -33,7 +35,7 @@ pub enum Disposition {
 /// `connection.close` with `code` and `text`.
 pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
     match code {
-        403 | 530 => Disposition::Stop,
+        403 => Disposition::Stop,
         404 => match missing_exchange(text) {
             Some(x) if channel => Disposition::MissingExchange(x),
             _ => Disposition::Stop,
@@ -103,7 +105,10 @@ mod tests {
             Disposition::Stop
         );
         assert_eq!(d(403, "ACCESS_REFUSED"), Disposition::Stop);
-        assert_eq!(d(530, "NOT_ALLOWED"), Disposition::Stop);
+        assert_eq!(
+            d(530, "NOT_ALLOWED - vhost v is down"),
+            Disposition::Transient
+        );
         for code in [501, 502, 503, 505, 540] {
             assert_eq!(d(code, ""), Disposition::HeadOfWindow, "{code}");
         }

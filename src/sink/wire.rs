@@ -193,6 +193,11 @@ pub struct Wire {
     returning: Option<Returning>,
     /// Set once the connection failed: every later call fails alike.
     broken: bool,
+    /// The broker closed the publishing channel (answered with close-ok):
+    /// publishing fails alike, but the connection can still close cleanly.
+    channel_closed: Option<(u16, String)>,
+    /// A first frame came: the peer speaks AMQP.
+    greeted: bool,
 }
 
 impl fmt::Debug for Wire {
@@ -218,7 +223,12 @@ impl Wire {
                 )));
             }
         }
+        // An IPv6 literal comes in brackets (see `parse_amqp_url`).
         let host = uri.authority.host.as_str();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
         let tcp = TcpStream::connect((host, uri.authority.port)).await?;
         tcp.set_nodelay(true)?;
         let io: Box<dyn Io> = match (&uri.scheme, &target.tls) {
@@ -380,6 +390,28 @@ impl Wire {
         }
     }
 
+    /// Fails as the broker closed the publishing channel, if it did.
+    fn channel_open(&self) -> Result<(), WireError> {
+        match &self.channel_closed {
+            Some((code, text)) => Err(WireError::ChannelClosed {
+                code: *code,
+                text: text.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// A connection over `io` as if the handshake was done (for tests that
+    /// play the broker).
+    #[cfg(test)]
+    pub(super) fn after_handshake(
+        io: impl AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    ) -> Wire {
+        let mut w = Wire::over(Box::new(io));
+        w.greeted = true;
+        w
+    }
+
     /// A connection over `io`, before the handshake.
     fn over(io: Box<dyn Io>) -> Wire {
         let now = Instant::now();
@@ -397,6 +429,8 @@ impl Wire {
             blocked: false,
             returning: None,
             broken: false,
+            channel_closed: None,
+            greeted: false,
         }
     }
 
@@ -404,6 +438,7 @@ impl Wire {
     /// body; returns its delivery tag. Nothing is written until the next
     /// [`Wire::event`] (or a full buffer): publish a batch, then wait.
     pub fn publish(&mut self, env: Envelope) -> Result<u64, WireError> {
+        self.channel_open()?;
         let buf = std::mem::take(&mut self.wbuf);
         match encode_envelope(buf, self.frame_max, env) {
             Ok(buf) => self.wbuf = buf,
@@ -418,6 +453,7 @@ impl Wire {
         if m.headers.is_some() {
             return self.publish(m.to_envelope());
         }
+        self.channel_open()?;
         encode_view(&mut self.wbuf, self.frame_max, m);
         Ok(self.next_tag())
     }
@@ -448,6 +484,7 @@ impl Wire {
     /// Cancel-safe: all state lives in `self`, so dropping the future
     /// (e.g. in `select!`) loses nothing.
     pub async fn event(&mut self) -> Result<Event, WireError> {
+        self.channel_open()?;
         loop {
             let frame = self.frame().await?;
             if let Some(ev) = self.on_frame(frame)? {
@@ -489,14 +526,25 @@ impl Wire {
         loop {
             match self.frame().await? {
                 AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))) => {
-                    return Ok(());
+                    break;
                 }
                 AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
-                    return Ok(());
+                    // Both sides closing at once: answer it too.
+                    let _ = self.send_method(
+                        0,
+                        AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                            connection::CloseOk {},
+                        )),
+                    );
+                    self.try_write_now();
+                    break;
                 }
                 _ => {}
             }
         }
+        // TLS close_notify (or a plain FIN): the broker sees a clean close.
+        tokio::io::AsyncWriteExt::shutdown(&mut self.io).await?;
+        Ok(())
     }
 
     /// The next method on `channel`, handling the rest (heartbeats,
@@ -537,8 +585,9 @@ impl Wire {
                     ch,
                     AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
                 );
+                self.try_write_now();
                 if ch == PUBLISH_CHANNEL {
-                    self.broken = true;
+                    self.channel_closed = Some((c.reply_code, c.reply_text.to_string()));
                 }
                 Err(WireError::ChannelClosed {
                     code: c.reply_code,
@@ -717,6 +766,18 @@ impl Wire {
                 "the broker does not speak AMQP 0-9-1 on this port (rabbitmq.url)".into(),
             ));
         }
+        if !matches!(self.rbuf[0], 1 | 2 | 3 | 8) && !self.greeted {
+            // Not an AMQP frame: another kind of server on this port.
+            let what = match self.rbuf[0] {
+                0x15 | 0x16 => "it speaks TLS: use amqps://".to_owned(),
+                _ if self.rbuf.starts_with(b"HTTP") => "it speaks HTTP".to_owned(),
+                _ => format!("it sent {:?}", String::from_utf8_lossy(&self.rbuf[..7])),
+            };
+            return Err(WireError::Unsupported(format!(
+                "the server at rabbitmq.url is not an AMQP 0-9-1 broker ({what}); check the host, port and scheme"
+            )));
+        }
+        self.greeted = true;
         let size = u32::from_be_bytes([self.rbuf[3], self.rbuf[4], self.rbuf[5], self.rbuf[6]]);
         if size > self.frame_max.max(DEFAULT_FRAME_MAX) {
             return Err(WireError::Protocol(format!(
@@ -798,7 +859,7 @@ pub fn header_frame_len(properties: &lapin::BasicProperties) -> usize {
     encode_frame(Vec::new(), &frame).map_or(usize::MAX, |b| b.len())
 }
 
-fn encode_frame(buf: Vec<u8>, frame: &AMQPFrame) -> Result<Vec<u8>, WireError> {
+pub(super) fn encode_frame(buf: Vec<u8>, frame: &AMQPFrame) -> Result<Vec<u8>, WireError> {
     gen_frame(frame)(WriteContext::from(buf))
         .map(|ctx| ctx.write)
         .map_err(|e| WireError::Protocol(format!("cannot encode a frame: {e}")))

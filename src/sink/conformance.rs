@@ -1,0 +1,662 @@
+//! The AMQP client against a scripted broker: an in-process TCP listener
+//! that speaks amq-protocol frames, one script per test. Each test checks
+//! what the client reports (an event, an error and its disposition) and
+//! what it sends back.
+
+use std::time::Duration;
+
+use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, parse_frame};
+use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection};
+use amq_protocol::types::FieldTable;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::replies::Disposition;
+use super::wire::{Event, Target, Wire, WireError, encode_frame};
+use crate::message::Envelope;
+
+/// The broker's end of one connection.
+struct Peer {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Peer {
+    async fn read_more(&mut self) -> bool {
+        let mut chunk = [0u8; 65536];
+        match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => false,
+            Ok(Ok(n)) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                true
+            }
+            Err(_) => panic!("the client sent nothing for 10 s"),
+        }
+    }
+
+    /// The next frame from the client, `None` at EOF.
+    async fn frame(&mut self) -> Option<AMQPFrame> {
+        loop {
+            if let Ok((rest, f)) = parse_frame(&self.buf[..]) {
+                let used = self.buf.len() - rest.len();
+                self.buf.drain(..used);
+                return Some(f);
+            }
+            if !self.read_more().await {
+                return None;
+            }
+        }
+    }
+
+    /// The next method from the client (heartbeats skipped).
+    async fn method(&mut self) -> (u16, AMQPClass) {
+        loop {
+            match self.frame().await.expect("a method, not EOF") {
+                AMQPFrame::Method(ch, m) => return (ch, m),
+                AMQPFrame::Heartbeat => {}
+                other => panic!("expected a method, got {other:?}"),
+            }
+        }
+    }
+
+    async fn send(&mut self, frame: AMQPFrame) {
+        let bytes = encode_frame(Vec::new(), &frame).unwrap();
+        self.s.write_all(&bytes).await.unwrap();
+    }
+
+    async fn send_method(&mut self, ch: u16, m: AMQPClass) {
+        self.send(AMQPFrame::Method(ch, m)).await;
+    }
+
+    /// Up to the `connection.tune` answer: header, start, start-ok, tune.
+    async fn start(&mut self, frame_max: u32, heartbeat: u16) {
+        while self.buf.len() < 8 {
+            assert!(self.read_more().await, "no protocol header");
+        }
+        assert_eq!(&self.buf[..8], b"AMQP\x00\x00\x09\x01");
+        self.buf.drain(..8);
+        self.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: FieldTable::default(),
+                mechanisms: "PLAIN AMQPLAIN".into(),
+                locales: "en_US".into(),
+            })),
+        )
+        .await;
+        let (_, m) = self.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::StartOk(_))),
+            "{m:?}"
+        );
+        self.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
+                channel_max: 2047,
+                frame_max,
+                heartbeat,
+            })),
+        )
+        .await;
+        let (_, m) = self.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::TuneOk(_))),
+            "{m:?}"
+        );
+    }
+
+    /// A whole handshake: connection, channel 1, confirm mode.
+    async fn handshake(&mut self, frame_max: u32) {
+        self.start(frame_max, 0).await;
+        let (_, m) = self.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Open(_))),
+            "{m:?}"
+        );
+        self.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
+        )
+        .await;
+        let (ch, m) = self.method().await;
+        assert!(
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+            "{m:?}"
+        );
+        self.send_method(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+        )
+        .await;
+        let (ch, m) = self.method().await;
+        assert!(
+            matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::Select(_))),
+            "{m:?}"
+        );
+        self.send_method(
+            ch,
+            AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+        )
+        .await;
+    }
+
+    /// One publish from the client: its routing key and body.
+    async fn publish(&mut self) -> (String, Vec<u8>) {
+        let (_, m) = self.method().await;
+        let AMQPClass::Basic(basic::AMQPMethod::Publish(p)) = m else {
+            panic!("expected basic.publish, got {m:?}");
+        };
+        let Some(AMQPFrame::Header(_, h)) = self.frame().await else {
+            panic!("expected a content header");
+        };
+        let mut body = Vec::new();
+        while (body.len() as u64) < h.body_size {
+            match self.frame().await {
+                Some(AMQPFrame::Body(_, b)) => body.extend_from_slice(&b),
+                other => panic!("expected a body frame, got {other:?}"),
+            }
+        }
+        (p.routing_key.to_string(), body)
+    }
+
+    async fn close_connection(&mut self, code: u16, text: &str) {
+        self.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: code,
+                reply_text: text.into(),
+                class_id: 0,
+                method_id: 0,
+            })),
+        )
+        .await;
+    }
+}
+
+/// A broker on `host` running `script` for one connection; the client's
+/// target.
+async fn broker<F, Fut>(host: &str, script: F) -> (Target, tokio::task::JoinHandle<()>)
+where
+    F: FnOnce(Peer) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let listener = TcpListener::bind((host, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let task = tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        script(Peer { s, buf: Vec::new() }).await;
+    });
+    let uri = super::parse_amqp_url(&format!("amqp://u:p@{host}:{port}/v")).unwrap();
+    let target = Target {
+        uri,
+        tls: None,
+        connection_name: "conformance".into(),
+    };
+    (target, task)
+}
+
+async fn connect(t: &Target) -> Result<Wire, WireError> {
+    tokio::time::timeout(Duration::from_secs(10), Wire::connect(t))
+        .await
+        .expect("connect hung")
+}
+
+fn message(key: &str, body: usize) -> Envelope {
+    Envelope {
+        exchange: "ex".into(),
+        routing_key: key.into(),
+        body: bytes::Bytes::from(vec![7u8; body]),
+        properties: lapin::BasicProperties::default().with_message_id(key.into()),
+    }
+}
+
+async fn next_event(w: &mut Wire) -> Result<Event, WireError> {
+    tokio::time::timeout(Duration::from_secs(10), w.event())
+        .await
+        .expect("no event within 10 s")
+}
+
+#[tokio::test]
+async fn wrong_credentials_stop_and_the_close_is_answered() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        // RabbitMQ refuses a login right after start-ok.
+        while p.buf.len() < 8 {
+            assert!(p.read_more().await);
+        }
+        p.buf.drain(..8);
+        p.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: FieldTable::default(),
+                mechanisms: "PLAIN".into(),
+                locales: "en_US".into(),
+            })),
+        )
+        .await;
+        let (_, m) = p.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::StartOk(_))),
+            "{m:?}"
+        );
+        p.close_connection(403, "ACCESS_REFUSED - Login was refused")
+            .await;
+        let (_, m) = p.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))),
+            "{m:?}"
+        );
+    })
+    .await;
+    let e = connect(&t).await.unwrap_err();
+    assert!(
+        matches!(e, WireError::ConnectionClosed { code: 403, .. }),
+        "{e}"
+    );
+    assert_eq!(e.disposition(), Disposition::Stop);
+    broker.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_vhost_that_is_down_is_retried() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.start(131_072, 0).await;
+        let _open = p.method().await;
+        p.close_connection(530, "NOT_ALLOWED - vhost v is down")
+            .await;
+        let _ = p.frame().await;
+    })
+    .await;
+    let e = connect(&t).await.unwrap_err();
+    assert!(
+        matches!(e, WireError::ConnectionClosed { code: 530, .. }),
+        "{e}"
+    );
+    assert!(e.is_transient());
+    broker.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_server_that_does_not_speak_amqp_is_named() {
+    for (answer, says) in [
+        (&b"HTTP/1.1 400 Bad Request\r\n\r\n"[..], "HTTP"),
+        (&b"\x15\x03\x03\x00\x02\x02\x46"[..], "amqps://"),
+    ] {
+        let (t, broker) = broker("127.0.0.1", move |mut p| async move {
+            let _ = p.read_more().await;
+            p.s.write_all(answer).await.unwrap();
+            let _ = p.read_more().await;
+        })
+        .await;
+        let e = connect(&t).await.unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("not an AMQP 0-9-1 broker") && text.contains(says),
+            "{text}"
+        );
+        assert_eq!(e.disposition(), Disposition::Stop);
+        broker.abort();
+    }
+}
+
+/// amq-protocol-uri reads `127.0.0.2` as "localhost": the client must
+/// connect to the address in the URL.
+#[tokio::test]
+async fn an_ip_address_host_is_the_one_connected_to() {
+    let (t, broker) = broker("127.0.0.2", |mut p| async move {
+        p.handshake(131_072).await;
+    })
+    .await;
+    connect(&t).await.expect("connected to 127.0.0.2");
+    broker.await.unwrap();
+}
+
+/// Frames read one byte at a time; a return then a `multiple` ack; a
+/// `multiple` nack; blocked and unblocked.
+#[tokio::test]
+async fn answers_in_pieces_returns_acks_nacks_and_blocking() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(131_072).await;
+        for _ in 0..3 {
+            p.publish().await;
+        }
+        let frames = [
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                    reply_code: 312,
+                    reply_text: "NO_ROUTE".into(),
+                    exchange: "ex".into(),
+                    routing_key: "b".into(),
+                })),
+            ),
+            AMQPFrame::Header(
+                1,
+                AMQPContentHeader {
+                    class_id: 60,
+                    body_size: 3,
+                    properties: lapin::BasicProperties::default().with_message_id("b".into()),
+                },
+            ),
+            AMQPFrame::Body(1, vec![7, 7, 7]),
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: 2,
+                    multiple: true,
+                })),
+            ),
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                    delivery_tag: 3,
+                    multiple: true,
+                    requeue: false,
+                })),
+            ),
+            AMQPFrame::Method(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::Blocked(connection::Blocked {
+                    reason: "low on memory".into(),
+                })),
+            ),
+            AMQPFrame::Method(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::Unblocked(connection::Unblocked {})),
+            ),
+        ];
+        let mut bytes = Vec::new();
+        for f in &frames {
+            bytes = encode_frame(bytes, f).unwrap();
+        }
+        for b in bytes {
+            p.s.write_all(&[b]).await.unwrap();
+            p.s.flush().await.unwrap();
+        }
+        let _ = p.frame().await;
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    for k in ["a", "b", "c"] {
+        w.publish(message(k, 3)).unwrap();
+    }
+    let Event::Returned(r) = next_event(&mut w).await.unwrap() else {
+        panic!("expected the return first");
+    };
+    assert_eq!((r.reply_code, r.message_id.as_deref()), (312, Some("b")));
+    assert_eq!(
+        next_event(&mut w).await.unwrap(),
+        Event::Ack {
+            tag: 2,
+            multiple: true
+        }
+    );
+    assert_eq!(
+        next_event(&mut w).await.unwrap(),
+        Event::Nack {
+            tag: 3,
+            multiple: true
+        }
+    );
+    assert_eq!(next_event(&mut w).await.unwrap(), Event::Blocked(true));
+    assert!(w.is_blocked());
+    assert_eq!(next_event(&mut w).await.unwrap(), Event::Blocked(false));
+    assert!(!w.is_blocked());
+    broker.abort();
+}
+
+/// The broker closes the publishing channel (406): the client answers
+/// close-ok at once, reports the close, and still closes the connection
+/// cleanly (connection.close, then a FIN).
+#[tokio::test]
+async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(131_072).await;
+        p.publish().await;
+        p.send_method(
+            1,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 406,
+                reply_text:
+                    "PRECONDITION_FAILED - message size 9 is larger than configured max size 8"
+                        .into(),
+                class_id: 60,
+                method_id: 40,
+            })),
+        )
+        .await;
+        let (ch, m) = p.method().await;
+        assert_eq!(ch, 1);
+        assert!(
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
+            "{m:?}"
+        );
+        let (_, m) = p.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_))),
+            "{m:?}"
+        );
+        p.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+        )
+        .await;
+        assert!(p.frame().await.is_none(), "expected EOF after close-ok");
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    w.publish(message("a", 9)).unwrap();
+    let e = next_event(&mut w).await.unwrap_err();
+    assert_eq!(e.disposition(), Disposition::BodyLimit(8));
+    assert!(
+        w.publish(message("b", 1)).is_err(),
+        "published on a closed channel"
+    );
+    tokio::time::timeout(Duration::from_secs(10), w.close())
+        .await
+        .unwrap()
+        .unwrap();
+    broker.await.unwrap();
+}
+
+/// `frame_max` 4096: a body is cut into frames of at most 4096 bytes
+/// (4088 of payload), and arrives whole; the boundary case too.
+#[tokio::test]
+async fn bodies_are_split_at_the_negotiated_frame_max() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(4096).await;
+        for want in [10_000usize, 4088, 4089, 0] {
+            let (_, m) = p.method().await;
+            assert!(matches!(m, AMQPClass::Basic(basic::AMQPMethod::Publish(_))));
+            let Some(AMQPFrame::Header(_, h)) = p.frame().await else {
+                panic!("header");
+            };
+            assert_eq!(h.body_size, want as u64);
+            let mut got = 0;
+            while got < want {
+                let Some(AMQPFrame::Body(_, b)) = p.frame().await else {
+                    panic!("body");
+                };
+                assert!(b.len() <= 4088, "a body frame of {} bytes", b.len());
+                got += b.len();
+            }
+            assert_eq!(got, want);
+        }
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    assert_eq!(w.frame_max(), 4096);
+    for n in [10_000, 4088, 4089, 0] {
+        w.publish(message("k", n)).unwrap();
+    }
+    // Written while waiting for an answer that never comes.
+    let _ = tokio::time::timeout(Duration::from_millis(500), w.event()).await;
+    broker.await.unwrap();
+}
+
+/// Bad frames from the broker end the connection with an error, never a
+/// panic or a made-up event: a wrong frame-end octet, a frame larger than
+/// frame_max, EOF in the middle of a frame.
+#[tokio::test]
+async fn malformed_frames_are_errors() {
+    let ack = encode_frame(
+        Vec::new(),
+        &AMQPFrame::Method(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag: 1,
+                multiple: false,
+            })),
+        ),
+    )
+    .unwrap();
+    let mut bad_end = ack.clone();
+    *bad_end.last_mut().unwrap() = 0x00;
+    let mut oversized = vec![1u8, 0, 1];
+    oversized.extend_from_slice(&(10_000_000u32).to_be_bytes());
+    let cut = ack[..ack.len() - 3].to_vec();
+    for (bytes, eof) in [(bad_end, false), (oversized, false), (cut, true)] {
+        let (t, broker) = broker("127.0.0.1", move |mut p| async move {
+            p.handshake(131_072).await;
+            p.publish().await;
+            p.s.write_all(&bytes).await.unwrap();
+            if eof {
+                p.s.shutdown().await.unwrap();
+            }
+            let _ = p.frame().await;
+        })
+        .await;
+        let mut w = connect(&t).await.unwrap();
+        w.publish(message("a", 1)).unwrap();
+        let e = next_event(&mut w).await.unwrap_err();
+        if eof {
+            assert!(matches!(e, WireError::Eof), "{e}");
+        } else {
+            assert!(matches!(e, WireError::Protocol(_)), "{e}");
+        }
+        assert!(e.is_transient());
+        broker.abort();
+    }
+}
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Frames a broker may send the publishing side, valid.
+    fn valid_stream() -> Vec<u8> {
+        let frames = [
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: 1,
+                    multiple: true,
+                })),
+            ),
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                    reply_code: 312,
+                    reply_text: "NO_ROUTE".into(),
+                    exchange: "ex".into(),
+                    routing_key: "rk".into(),
+                })),
+            ),
+            AMQPFrame::Header(
+                1,
+                AMQPContentHeader {
+                    class_id: 60,
+                    body_size: 5,
+                    properties: lapin::BasicProperties::default().with_message_id("m".into()),
+                },
+            ),
+            AMQPFrame::Body(1, b"hello".to_vec()),
+            AMQPFrame::Heartbeat,
+            AMQPFrame::Method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                    delivery_tag: 2,
+                    multiple: false,
+                    requeue: true,
+                })),
+            ),
+            AMQPFrame::Method(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::Blocked(connection::Blocked {
+                    reason: "r".into(),
+                })),
+            ),
+        ];
+        let mut bytes = Vec::new();
+        for f in &frames {
+            bytes = encode_frame(bytes, f).unwrap();
+        }
+        bytes
+    }
+
+    /// Feeds `bytes` as the broker's side of a connection, then EOF, and
+    /// reads events until an error: returns how many there were.
+    fn feed(bytes: Vec<u8>) -> usize {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let (ours, mut theirs) = tokio::io::duplex(bytes.len() + 16);
+            theirs.write_all(&bytes).await.unwrap();
+            drop(theirs);
+            let mut w = Wire::after_handshake(ours);
+            let mut events = 0;
+            loop {
+                match tokio::time::timeout(Duration::from_secs(5), w.event()).await {
+                    Ok(Ok(_)) => events += 1,
+                    Ok(Err(_)) => return events,
+                    Err(_) => panic!("hung on {} bytes", bytes.len()),
+                }
+                // Every event consumed at least one whole frame (8 bytes).
+                assert!(
+                    events * 8 <= bytes.len(),
+                    "{events} events from {} bytes",
+                    bytes.len()
+                );
+            }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Arbitrary bytes: never a panic or a hang, always an error at
+        /// the end (the stream ends in EOF).
+        #[test]
+        fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            feed(bytes);
+        }
+
+        /// A valid stream with bytes flipped, cut or inserted.
+        #[test]
+        fn mutated_valid_streams(
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut bytes = valid_stream();
+            for (at, b) in flips {
+                let i = at.index(bytes.len());
+                bytes[i] = b;
+            }
+            let end = cut.index(bytes.len() + 1);
+            bytes.truncate(end.max(1));
+            feed(bytes);
+        }
+    }
+
+    /// Unmutated, every frame is an event except the heartbeat and the
+    /// parts of the return (header, body), which make one.
+    #[test]
+    fn the_valid_stream_is_read_whole() {
+        assert_eq!(feed(valid_stream()), 4);
+    }
+}
