@@ -375,3 +375,63 @@ async fn schema_change_mid_stream_is_followed_without_a_restart() {
     relay.sigterm();
     fx.cleanup().await;
 }
+
+/// Bodies that span frames, and bodies at a frame's edge, arrive byte for
+/// byte: with the default frame_max (131,072: 131,064 bytes of body per
+/// frame) and with `frame_max=4096` in rabbitmq.url (4,088 per frame).
+/// With 4096, a 3,000-byte header still fits and arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_frame_bodies_and_frame_edges_arrive_intact() {
+    for frame_max in [131_072usize, 4096] {
+        let mut fx = Fixture::new(&format!("frames{frame_max}")).await;
+        fx.start_consumer().await;
+        let pg = pg_connect().await;
+        let url = format!("{}?frame_max={frame_max}", amqp_url());
+        let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_RABBITMQ_URL", url.as_str())]);
+        let per_frame = frame_max - 8;
+        let sizes = [
+            per_frame - 1,
+            per_frame,
+            per_frame + 1,
+            2 * per_frame,
+            3 * per_frame + 5,
+            200_000,
+        ];
+        let mut want = HashMap::new();
+        for (i, &size) in sizes.iter().enumerate() {
+            // jsonb prints {"p": "..."}: 9 bytes around the string.
+            let payload = serde_json::json!({"p": "x".repeat(size - 9)});
+            let id = fx.insert(&pg, "f", &format!("s{i}"), "e", &payload).await;
+            want.insert(id, size);
+        }
+        let big_header = "h".repeat(3000);
+        let with_header: String = pg
+            .query_one(
+                &format!(
+                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+                     VALUES ('f', 'h', 'e', '{{}}', jsonb_build_object('big', $1::text)) RETURNING id::text",
+                    fx.table
+                ),
+                &[&big_header],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let mut ids: Vec<String> = want.keys().cloned().collect();
+        ids.push(with_header.clone());
+        let got = fx.expect_delivered(&ids, &relay).await;
+        for r in &got {
+            let id = r.message_id();
+            if id == with_header {
+                assert_eq!(r.header_str("big").as_deref(), Some(big_header.as_str()));
+                continue;
+            }
+            let size = want[&id];
+            assert_eq!(r.body.len(), size, "frame_max {frame_max}: body of {id}");
+            assert_eq!(&r.body[..7], b"{\"p\": \"");
+            assert!(r.body[7..size - 2].iter().all(|&b| b == b'x'));
+        }
+        relay.stop_ok();
+        fx.cleanup().await;
+    }
+}

@@ -109,7 +109,12 @@ impl Peer {
 
     /// A whole handshake: connection, channel 1, confirm mode.
     async fn handshake(&mut self, frame_max: u32) {
-        self.start(frame_max, 0).await;
+        self.handshake_with(frame_max, 0).await;
+    }
+
+    /// As [`Peer::handshake`], proposing `heartbeat` seconds.
+    async fn handshake_with(&mut self, frame_max: u32, heartbeat: u16) {
+        self.start(frame_max, heartbeat).await;
         let (_, m) = self.method().await;
         assert!(
             matches!(m, AMQPClass::Connection(connection::AMQPMethod::Open(_))),
@@ -540,6 +545,79 @@ async fn malformed_frames_are_errors() {
         assert!(e.is_transient());
         broker.abort();
     }
+}
+
+/// Heartbeats run from the connection itself: while the caller only waits
+/// for an answer, the client sends heartbeats, and a broker silent for two
+/// intervals ends the connection.
+#[tokio::test]
+async fn heartbeats_are_sent_and_a_silent_broker_is_noticed() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake_with(131_072, 1).await;
+        // Silent from here on; count the client's heartbeats.
+        let mut beats = 0;
+        while let Some(f) = p.frame().await {
+            if f == AMQPFrame::Heartbeat {
+                beats += 1;
+            }
+        }
+        assert!(beats >= 1, "no heartbeat from the client");
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    let started = std::time::Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(10), w.event())
+        .await
+        .expect("a silent broker was not noticed")
+        .unwrap_err();
+    assert!(matches!(e, WireError::HeartbeatMissed(_)), "{e}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(w);
+    broker.await.unwrap();
+}
+
+/// TCP keepalive is on, so a dead peer is noticed with heartbeats off and
+/// nothing to send: the kernel shows the keepalive timer on the client's
+/// socket (`/proc/net/tcp`, timer 2).
+#[tokio::test]
+async fn the_connection_has_tcp_keepalive() {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let task = tokio::spawn(async move {
+        let (s, peer) = listener.accept().await.unwrap();
+        let mut p = Peer { s, buf: Vec::new() };
+        p.handshake(131_072).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let want = format!("0100007F:{:04X}", peer.port());
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let line = table
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(want.as_str()))
+            .unwrap_or_else(|| panic!("no socket {want} in /proc/net/tcp"))
+            .to_owned();
+        // Column 6 is "tr:tm->when": the active timer; 2 is keepalive.
+        let timer = line
+            .split_whitespace()
+            .nth(5)
+            .unwrap()
+            .split(':')
+            .next()
+            .unwrap()
+            .to_owned();
+        assert_eq!(timer, "02", "{line}");
+    });
+    let uri = super::parse_amqp_url(&format!("amqp://u:p@127.0.0.1:{port}/v")).unwrap();
+    let t = Target {
+        uri,
+        tls: None,
+        connection_name: "keepalive".into(),
+    };
+    let _w = connect(&t).await.unwrap();
+    task.await.unwrap();
 }
 
 mod fuzz {

@@ -259,14 +259,6 @@ impl AmqpSink {
         }
     }
 
-    /// Once a second: heartbeats (sent when idle, missed ones end the
-    /// connection).
-    pub fn tick(&mut self) -> Result<(), SinkError> {
-        self.wire
-            .tick()
-            .map_err(|e| self.error("keeping the connection alive", e))
-    }
-
     /// True while the broker has blocked publishing (resource alarm).
     pub fn is_blocked(&self) -> bool {
         self.wire.is_blocked()
@@ -339,12 +331,16 @@ impl<T> Unconfirmed<T> {
 
     /// Applies a broker answer: the messages it settles go to `out` in tag
     /// order, with their outcome. `message_id` gives a message's
-    /// `message_id` property as published (a returned message is known by
-    /// it; errors name it).
+    /// `message_id` property as published and `destination` its exchange
+    /// and routing key: a returned message is known by them (errors name
+    /// it).
     pub fn apply(
         &mut self,
         ev: Event,
-        message_id: impl Fn(&T) -> Option<String>,
+        (message_id, destination): (
+            impl Fn(&T) -> Option<String>,
+            impl Fn(&T) -> (String, String),
+        ),
         out: &mut Vec<(T, Result<(), SinkError>)>,
     ) -> Result<(), SinkError> {
         let protocol = |what: String| SinkError::Amqp {
@@ -355,28 +351,46 @@ impl<T> Unconfirmed<T> {
         match ev {
             Event::Blocked(_) => Ok(()),
             Event::Returned(ret) => {
-                // The return precedes its message's confirm; which message
-                // it is, its message_id says. Ids are meant to be unique,
-                // but nothing enforces it: every waiting message with the
-                // same id counts as returned, so none that was returned can
-                // be taken for delivered (one that was not is published
-                // again: a duplicate at worst).
-                let mut matched = false;
-                for s in self.slots.iter_mut().flatten() {
-                    if message_id(&s.item) == ret.message_id {
-                        matched = true;
-                        if s.returned.is_none() {
-                            s.returned = Some(Box::new(ret.clone()));
-                        }
+                // Returns come in publish order, each before its message's
+                // confirm, but carry no delivery tag: the message is the
+                // oldest waiting one with the same message_id and
+                // destination not yet returned (ids are meant to be
+                // unique; a routable copy that shares an id with an
+                // unroutable one has another destination, or the broker
+                // returns it too).
+                let same_id = |s: &Slot<T>| message_id(&s.item) == ret.message_id;
+                let dest = (ret.exchange.clone(), ret.routing_key.clone());
+                let mut first_of_id = None;
+                let mut exact = None;
+                let mut seen = false;
+                for (i, s) in self.slots.iter().enumerate() {
+                    let Some(s) = s else { continue };
+                    if !same_id(s) {
+                        continue;
+                    }
+                    seen = true;
+                    if s.returned.is_some() {
+                        continue;
+                    }
+                    first_of_id.get_or_insert(i);
+                    if destination(&s.item) == dest {
+                        exact = Some(i);
+                        break;
                     }
                 }
-                if matched {
-                    Ok(())
-                } else {
-                    Err(protocol(format!(
+                match exact.or(first_of_id) {
+                    Some(i) => {
+                        if let Some(s) = self.slots[i].as_mut() {
+                            s.returned = Some(Box::new(ret));
+                        }
+                        Ok(())
+                    }
+                    // Every message with that id is already returned.
+                    None if seen => Ok(()),
+                    None => Err(protocol(format!(
                         "basic.return for a message not waiting for a confirm (message_id {:?})",
                         ret.message_id
-                    )))
+                    ))),
                 }
             }
             Event::Ack { tag, multiple } | Event::Nack { tag, multiple } => {
@@ -493,9 +507,13 @@ mod tests {
         u
     }
 
+    fn dest(_: &String) -> (String, String) {
+        ("ex".into(), "rk".into())
+    }
+
     fn apply(u: &mut Unconfirmed<String>, ev: Event) -> Vec<(String, Result<(), String>)> {
         let mut out = Vec::new();
-        u.apply(ev, some, &mut out).unwrap();
+        u.apply(ev, (some, dest), &mut out).unwrap();
         out.into_iter()
             .map(|(m, r)| (m, r.map_err(|e| e.to_string())))
             .collect()
@@ -560,27 +578,53 @@ mod tests {
     fn a_return_for_no_waiting_message_ends_the_session() {
         let mut u = published(2);
         let mut out = Vec::new();
-        let e = u.apply(returned("m9"), some, &mut out).unwrap_err();
+        let e = u.apply(returned("m9"), (some, dest), &mut out).unwrap_err();
         assert!(e.is_transient(), "{e}");
         assert!(e.to_string().contains("m9"), "{e}");
     }
 
     #[test]
-    fn a_return_marks_every_waiting_message_with_its_id() {
-        // Two messages share an id; one comes back. Either may be the one:
-        // both count as returned, neither as delivered (the routable one is
-        // published again: a duplicate, never a loss).
+    fn a_return_marks_one_message_the_oldest_of_its_id_and_destination() {
+        // Two copies of one message to the same place: each return marks
+        // one, oldest first.
         let mut u = Unconfirmed::default();
         for (tag, m) in [(1, "a"), (2, "dup"), (3, "dup")] {
             u.push(tag, m.to_owned());
         }
         assert!(apply(&mut u, returned("dup")).is_empty());
-        // The other copy's own return finds it already marked.
+        let got = apply(&mut u, ack(2, true));
+        assert!(got[0].1.is_ok() && got[1].1.is_err(), "{got:?}");
         assert!(apply(&mut u, returned("dup")).is_empty());
-        let got = apply(&mut u, ack(3, true));
-        assert_eq!(names(&got), ["a", "dup", "dup"]);
-        assert!(got[0].1.is_ok());
-        assert!(got[1].1.is_err() && got[2].1.is_err(), "{got:?}");
+        let got = apply(&mut u, ack(3, false));
+        assert!(got[0].1.is_err(), "{got:?}");
+        // A return for an id whose messages are all returned: nothing new.
+        let mut u = published(1);
+        assert!(apply(&mut u, returned("m1")).is_empty());
+        assert!(apply(&mut u, returned("m1")).is_empty());
+    }
+
+    /// A routable message sharing its id with an unroutable one (another
+    /// routing key) is not taken for the returned one.
+    #[test]
+    fn a_routable_copy_with_the_same_id_is_not_returned() {
+        let mut u: Unconfirmed<(String, String)> = Unconfirmed::default();
+        u.push(1, ("dup".into(), "ok.key".into()));
+        u.push(2, ("dup".into(), "lost.key".into()));
+        let mut ret = returned("dup");
+        if let Event::Returned(r) = &mut ret {
+            r.routing_key = "lost.key".into();
+        }
+        let id = |m: &(String, String)| Some(m.0.clone());
+        let to = |m: &(String, String)| ("ex".to_owned(), m.1.clone());
+        let mut out = Vec::new();
+        u.apply(ret, (id, to), &mut out).unwrap();
+        u.apply(ack(2, true), (id, to), &mut out).unwrap();
+        assert!(out[0].1.is_ok(), "the routable copy: {:?}", out[0].1);
+        assert!(
+            matches!(out[1].1, Err(SinkError::Returned { .. })),
+            "{:?}",
+            out[1].1
+        );
     }
 
     #[test]
@@ -593,8 +637,10 @@ mod tests {
             r.message_id = None;
         }
         let mut out = Vec::new();
-        u.apply(ret, Option::clone, &mut out).unwrap();
-        u.apply(ack(2, true), Option::clone, &mut out).unwrap();
+        let to = |_: &Option<String>| ("ex".to_owned(), "rk".to_owned());
+        u.apply(ret, (Option::clone, to), &mut out).unwrap();
+        u.apply(ack(2, true), (Option::clone, to), &mut out)
+            .unwrap();
         assert!(out[0].1.is_ok());
         assert!(
             matches!(out[1].1, Err(SinkError::Returned { .. })),
@@ -608,7 +654,9 @@ mod tests {
         for multiple in [false, true] {
             let mut u = published(3);
             let mut out = Vec::new();
-            let e = u.apply(ack(9, multiple), some, &mut out).unwrap_err();
+            let e = u
+                .apply(ack(9, multiple), (some, dest), &mut out)
+                .unwrap_err();
             assert!(e.to_string().contains("delivery tag 9"), "{e}");
             assert!(out.is_empty(), "nothing settled");
             assert_eq!(u.len(), 3);

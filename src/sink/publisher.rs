@@ -135,6 +135,18 @@ impl InFlight {
         }
     }
 
+    /// Where it is published: exchange and routing key (to tell which
+    /// message a return is for; only then, so it may allocate).
+    fn destination(&self) -> (String, String) {
+        match &self.content {
+            Content::Event(ev) => match view(ev) {
+                Ok(m) => (m.exchange.parts().concat(), m.routing_key.parts().concat()),
+                Err(_) => Default::default(),
+            },
+            Content::DeadLetter(env) => (env.exchange.to_string(), env.routing_key.to_string()),
+        }
+    }
+
     /// The message, to publish it again.
     fn envelope(&self) -> Result<Envelope, RelayError> {
         match &self.content {
@@ -575,8 +587,11 @@ impl Publisher<'_> {
     /// A broker answer: settle what it answers, schedule retries.
     fn on_answer(&mut self, ev: super::wire::Event) -> Result<(), RelayError> {
         let mut settled = std::mem::take(&mut self.settled);
-        self.unconfirmed
-            .apply(ev, InFlight::message_id, &mut settled)?;
+        self.unconfirmed.apply(
+            ev,
+            (InFlight::message_id, InFlight::destination),
+            &mut settled,
+        )?;
         for (f, res) in settled.drain(..) {
             if let Some((delay, f)) = self.settle(f, res)? {
                 self.retries.push(Box::pin(after(delay, f)));
@@ -704,6 +719,19 @@ pub async fn run(
             // retries, then new WAL.
             tokio::select! {
                 biased;
+                // Once a second, first: it must not starve behind a
+                // stream of answers (the confirm deadline, the gauges).
+                _ = gauges.tick() => {
+                    p.update_gauges();
+                    let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
+                    if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
+                        return Err(SinkError::ConfirmTimeout {
+                            in_flight: p.unconfirmed.len() as u64,
+                            secs: cfg.confirm_timeout.as_secs(),
+                        }
+                        .into());
+                    }
+                }
                 ev = sink.answer() => p.on_answer(ev?)?,
                 Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked && !sink.wants_flush() => {
                     let env = f.envelope()?;
@@ -743,18 +771,6 @@ pub async fn run(
                 _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
                     warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
                     return Ok(());
-                }
-                _ = gauges.tick() => {
-                    p.update_gauges();
-                    sink.tick()?;
-                    let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
-                    if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
-                        return Err(SinkError::ConfirmTimeout {
-                            in_flight: p.unconfirmed.len() as u64,
-                            secs: cfg.confirm_timeout.as_secs(),
-                        }
-                        .into());
-                    }
                 }
             }
         }

@@ -48,6 +48,11 @@ const CONTROL_CHANNEL: u16 = 2;
 const DEFAULT_FRAME_MAX: u32 = 131_072;
 /// Flush the write buffer once it holds this much, even mid-batch.
 const WRITE_HIGH_WATER: usize = 64 * 1024;
+/// TCP keepalive: probes after this much silence, this often, this many:
+/// a dead peer is noticed within about a minute.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
 /// An empty write buffer larger than this is shrunk back.
 const WRITE_KEEP: usize = 1024 * 1024;
 
@@ -187,6 +192,9 @@ pub struct Wire {
     heartbeat: Option<Duration>,
     last_read: Instant,
     last_write: Instant,
+    /// Next heartbeat check (send one when idle, fail when the broker is
+    /// silent), polled wherever the connection is read.
+    heartbeat_timer: Pin<Box<tokio::time::Sleep>>,
     /// Delivery tag of the next publish.
     next_tag: u64,
     blocked: bool,
@@ -231,6 +239,14 @@ impl Wire {
             .unwrap_or(host);
         let tcp = TcpStream::connect((host, uri.authority.port)).await?;
         tcp.set_nodelay(true)?;
+        // A dead peer is noticed even with heartbeats off and nothing to
+        // send (a broker that blocks publishing, then vanishes).
+        socket2::SockRef::from(&tcp).set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_RETRIES),
+        )?;
         let io: Box<dyn Io> = match (&uri.scheme, &target.tls) {
             (AMQPScheme::AMQPS, Some(tls)) => {
                 let name = rustls::pki_types::ServerName::try_from(host.to_owned())
@@ -318,6 +334,9 @@ impl Wire {
         )?;
         self.frame_max = frame_max;
         self.heartbeat = (heartbeat > 0).then(|| Duration::from_secs(u64::from(heartbeat)));
+        if let Some(hb) = self.heartbeat {
+            self.heartbeat_timer.as_mut().reset(Instant::now() + hb / 2);
+        }
         self.send_method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
@@ -425,6 +444,7 @@ impl Wire {
             heartbeat: None,
             last_read: now,
             last_write: now,
+            heartbeat_timer: Box::pin(tokio::time::sleep_until(now + Duration::from_secs(3600))),
             next_tag: 1,
             blocked: false,
             returning: None,
@@ -493,9 +513,10 @@ impl Wire {
         }
     }
 
-    /// Call about once a second: sends a heartbeat when nothing was written
-    /// for half the interval, fails when nothing was read for two.
-    pub fn tick(&mut self) -> Result<(), WireError> {
+    /// Run by the heartbeat timer (every half interval): sends a heartbeat
+    /// when nothing was written for half the interval, fails when nothing
+    /// was read for two.
+    fn tick(&mut self) -> Result<(), WireError> {
         let Some(hb) = self.heartbeat else {
             return Ok(());
         };
@@ -697,6 +718,22 @@ impl Wire {
     }
 
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Result<AMQPFrame, WireError>> {
+        if let Some(hb) = self.heartbeat {
+            while self.heartbeat_timer.as_mut().poll(cx).is_ready() {
+                // What the broker sent while nobody read counts as heard.
+                if let Poll::Ready(Ok(n)) =
+                    tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf)
+                {
+                    if n > 0 {
+                        self.last_read = Instant::now();
+                    }
+                }
+                self.tick()?;
+                self.heartbeat_timer
+                    .as_mut()
+                    .reset(Instant::now() + (hb / 2).max(Duration::from_millis(100)));
+            }
+        }
         loop {
             self.poll_write(cx)?;
             if let Some(frame) = self.parse()? {
@@ -1021,6 +1058,11 @@ mod tests {
     #[test]
     fn the_write_buffer_is_compacted_after_partial_writes() {
         use tokio::io::AsyncRead;
+        // A runtime for the connection's timer; polled by hand, outside any
+        // task (inside one, tokio's cooperative budget would make the pipe
+        // pend after a while).
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let _in_runtime = rt.enter();
         let (client, mut broker) = tokio::io::duplex(8 * 1024);
         let mut w = Wire::over(Box::new(client));
         let waker = futures_util::task::noop_waker();
@@ -1059,6 +1101,18 @@ mod tests {
         }
         assert_eq!(got.len(), expected.len());
         assert!(got == expected, "the bytes on the wire differ");
+        // One huge message does not pin its size once it is written.
+        let huge = Envelope {
+            body: bytes::Bytes::from(vec![1u8; 3 << 20]),
+            ..env(0)
+        };
+        w.publish(huge).unwrap();
+        assert!(w.wbuf.capacity() > WRITE_KEEP);
+        got.clear();
+        while w.written < w.wbuf.len() || !w.wbuf.is_empty() {
+            w.poll_write(&mut cx).unwrap();
+            read(&mut broker, &mut got, &mut chunk);
+        }
         assert!(w.wbuf.capacity() <= WRITE_KEEP, "{}", w.wbuf.capacity());
     }
 
