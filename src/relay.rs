@@ -336,9 +336,6 @@ async fn session(
             silence::limit(&sql, &cfg.postgres),
         )
         .await?;
-        // The stream first: the AMQP connection is then used at once, so
-        // its heartbeats never wait on PostgreSQL.
-        let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
         let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
         info!("connected to RabbitMQ");
         // An exchange declared since it was found missing is used again.
@@ -352,6 +349,10 @@ async fn session(
                 Err(e) => return Err(e.into()),
             }
         }
+        // Last, so that a broker that is down costs no walsender. (Its
+        // connect has a deadline; an AMQP heartbeat interval above a few
+        // seconds outlasts it.)
+        let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
         Ok::<_, RelayError>((sql, start, oids, silence_limit, sink, repl))
     };
     let (sql, start, oids, silence_limit, mut sink, mut repl) = tokio::select! {

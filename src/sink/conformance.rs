@@ -193,7 +193,12 @@ where
         let (s, _) = listener.accept().await.unwrap();
         script(Peer { s, buf: Vec::new() }).await;
     });
-    let uri = super::parse_amqp_url(&format!("amqp://u:p@{host}:{port}/v")).unwrap();
+    let in_url = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    let uri = super::parse_amqp_url(&format!("amqp://u:p@{in_url}:{port}/v")).unwrap();
     let target = Target {
         uri,
         tls: None,
@@ -307,16 +312,38 @@ async fn a_server_that_does_not_speak_amqp_is_named() {
     }
 }
 
-/// amq-protocol-uri reads `127.0.0.2` as "localhost": the client must
-/// connect to the address in the URL.
+/// amq-protocol-uri reads an IPv6 host as "localhost": the client must
+/// connect to the address in the URL (this broker listens on ::1 only).
 #[tokio::test]
-async fn an_ip_address_host_is_the_one_connected_to() {
-    let (t, broker) = broker("127.0.0.2", |mut p| async move {
+async fn an_ipv6_host_is_the_one_connected_to() {
+    let (t, broker) = broker("::1", |mut p| async move {
         p.handshake(131_072).await;
     })
     .await;
-    connect(&t).await.expect("connected to 127.0.0.2");
+    connect(&t).await.expect("connected to [::1]");
     broker.await.unwrap();
+}
+
+/// A broker that sends its heartbeats is never taken for a silent one,
+/// however long the caller only waits.
+#[tokio::test]
+async fn a_broker_that_sends_heartbeats_is_alive() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake_with(131_072, 1).await;
+        for _ in 0..8 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            p.send(AMQPFrame::Heartbeat).await;
+        }
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    // 3.5 s: more than three intervals of 1 s.
+    let waited = tokio::time::timeout(Duration::from_millis(3500), w.event()).await;
+    assert!(
+        waited.is_err(),
+        "ended while the broker sent heartbeats: {waited:?}"
+    );
+    broker.abort();
 }
 
 /// Frames read one byte at a time; a return then a `multiple` ack; a

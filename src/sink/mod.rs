@@ -132,17 +132,18 @@ impl SinkError {
     }
 }
 
-/// Parses `rabbitmq.url`. amq-protocol-uri reads only a domain name as the
-/// host and puts "localhost" in place of an IP address (`amqp://10.0.0.5/`
-/// would connect to this machine): the host is taken from the URL here,
-/// an IPv6 literal in brackets (`[::1]`).
+/// Parses `rabbitmq.url`. amq-protocol-uri reads the host with
+/// `Url::domain`, which is `None` for an IPv6 literal, and then puts
+/// "localhost" in its place (`amqp://[2001:db8::7]/` would connect to this
+/// machine): the host is taken from the URL here (an IPv6 address without
+/// its brackets, as sockets and TLS server names want it).
 pub fn parse_amqp_url(url: &str) -> Result<lapin::uri::AMQPUri, String> {
     let mut uri: lapin::uri::AMQPUri = url.parse()?;
     let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
     match parsed.host() {
         Some(url::Host::Domain(_)) | None => {}
         Some(url::Host::Ipv4(ip)) => uri.authority.host = ip.to_string(),
-        Some(url::Host::Ipv6(ip)) => uri.authority.host = format!("[{ip}]"),
+        Some(url::Host::Ipv6(ip)) => uri.authority.host = ip.to_string(),
     }
     Ok(uri)
 }
@@ -351,47 +352,55 @@ impl<T> Unconfirmed<T> {
         match ev {
             Event::Blocked(_) => Ok(()),
             Event::Returned(ret) => {
-                // Returns come in publish order, each before its message's
-                // confirm, but carry no delivery tag: the message is the
-                // oldest waiting one with the same message_id and
-                // destination not yet returned (ids are meant to be
-                // unique; a routable copy that shares an id with an
-                // unroutable one has another destination, or the broker
-                // returns it too).
-                let same_id = |s: &Slot<T>| message_id(&s.item) == ret.message_id;
+                // A return carries no delivery tag: its message is known by
+                // message_id (and, among copies, by destination). Ids are
+                // meant to be unique, but nothing enforces it, and copies
+                // to the same destination may be routed differently
+                // (headers exchanges, CC/BCC, a binding removed between
+                // them): so the return marks the one candidate when there
+                // is one, else every candidate with its destination, else
+                // every one with its id. A copy that was routed is then
+                // published again (a duplicate), never one that was
+                // returned counted as delivered.
                 let dest = (ret.exchange.clone(), ret.routing_key.clone());
-                let mut first_of_id = None;
-                let mut exact = None;
+                let mut candidates = Vec::new();
                 let mut seen = false;
                 for (i, s) in self.slots.iter().enumerate() {
                     let Some(s) = s else { continue };
-                    if !same_id(s) {
+                    if message_id(&s.item) != ret.message_id {
                         continue;
                     }
                     seen = true;
-                    if s.returned.is_some() {
-                        continue;
-                    }
-                    first_of_id.get_or_insert(i);
-                    if destination(&s.item) == dest {
-                        exact = Some(i);
-                        break;
+                    if s.returned.is_none() {
+                        candidates.push(i);
                     }
                 }
-                match exact.or(first_of_id) {
-                    Some(i) => {
-                        if let Some(s) = self.slots[i].as_mut() {
-                            s.returned = Some(Box::new(ret));
-                        }
-                        Ok(())
+                if candidates.len() > 1 {
+                    let same_dest: Vec<usize> = candidates
+                        .iter()
+                        .copied()
+                        .filter(|&i| {
+                            self.slots[i]
+                                .as_ref()
+                                .is_some_and(|s| destination(&s.item) == dest)
+                        })
+                        .collect();
+                    if !same_dest.is_empty() {
+                        candidates = same_dest;
                     }
-                    // Every message with that id is already returned.
-                    None if seen => Ok(()),
-                    None => Err(protocol(format!(
+                }
+                for &i in &candidates {
+                    if let Some(s) = self.slots[i].as_mut() {
+                        s.returned = Some(Box::new(ret.clone()));
+                    }
+                }
+                if candidates.is_empty() && !seen {
+                    return Err(protocol(format!(
                         "basic.return for a message not waiting for a confirm (message_id {:?})",
                         ret.message_id
-                    ))),
+                    )));
                 }
+                Ok(())
             }
             Event::Ack { tag, multiple } | Event::Nack { tag, multiple } => {
                 let acked = matches!(ev, Event::Ack { .. });
@@ -442,8 +451,8 @@ mod tests {
     fn an_ip_address_in_the_url_is_the_host_connected_to() {
         let host = |u: &str| parse_amqp_url(u).unwrap().authority.host;
         assert_eq!(host("amqp://u:p@10.0.0.5:5673/v"), "10.0.0.5");
-        assert_eq!(host("amqp://[::1]/"), "[::1]");
-        assert_eq!(host("amqps://[2001:db8::7]:5671/%2f"), "[2001:db8::7]");
+        assert_eq!(host("amqp://[::1]/"), "::1");
+        assert_eq!(host("amqps://[2001:db8::7]:5671/%2f"), "2001:db8::7");
         assert_eq!(host("amqp://rabbit.example/"), "rabbit.example");
         assert_eq!(host("amqp://rabbit%2dx.example/"), "rabbit-x.example");
         let uri = parse_amqp_url("amqp://u:p@127.0.0.2:5999/v?frame_max=4096").unwrap();
@@ -584,19 +593,21 @@ mod tests {
     }
 
     #[test]
-    fn a_return_marks_one_message_the_oldest_of_its_id_and_destination() {
-        // Two copies of one message to the same place: each return marks
-        // one, oldest first.
+    fn a_return_marks_every_copy_it_may_be_for() {
+        // Two copies of one message to the same place, one returned: which
+        // one is unknown, so both count as returned (the routed one is
+        // published again: a duplicate, never a loss).
         let mut u = Unconfirmed::default();
         for (tag, m) in [(1, "a"), (2, "dup"), (3, "dup")] {
             u.push(tag, m.to_owned());
         }
         assert!(apply(&mut u, returned("dup")).is_empty());
-        let got = apply(&mut u, ack(2, true));
-        assert!(got[0].1.is_ok() && got[1].1.is_err(), "{got:?}");
-        assert!(apply(&mut u, returned("dup")).is_empty());
-        let got = apply(&mut u, ack(3, false));
-        assert!(got[0].1.is_err(), "{got:?}");
+        let got = apply(&mut u, ack(3, true));
+        assert_eq!(names(&got), ["a", "dup", "dup"]);
+        assert!(
+            got[0].1.is_ok() && got[1].1.is_err() && got[2].1.is_err(),
+            "{got:?}"
+        );
         // A return for an id whose messages are all returned: nothing new.
         let mut u = published(1);
         assert!(apply(&mut u, returned("m1")).is_empty());

@@ -8,7 +8,8 @@
 //! | 406 PRECONDITION_FAILED "message size … larger than … max size N" | `channel.close`, one message | learn N: bodies above it are dead-lettered without the body (with a dead-letter exchange), else stop |
 //! | 406 (other), 501 FRAME_ERROR, 502 SYNTAX_ERROR, 503 COMMAND_INVALID, 505 UNEXPECTED_FRAME, 540 NOT_IMPLEMENTED | `channel.close` / `connection.close` | reconnect and replay one message at a time past where the session failed; after 3 such failures with the same message alone in flight, dead-letter it bare (no body, no user headers) |
 //! | 403 ACCESS_REFUSED, 404 (other) | either | stop: credentials, permissions or exchange to fix |
-//! | 530 NOT_ALLOWED | either | reconnect with backoff: a vhost that is down or being made, a connection limit reached |
+//! | 530 NOT_ALLOWED "vhost … is down", "connection limit … is reached" | either | reconnect with backoff |
+//! | 530 NOT_ALLOWED (other: "vhost … not found", "access to vhost … refused") | either | stop: vhost or permissions to fix |
 //! | 320 CONNECTION_FORCED, 506 RESOURCE_ERROR, 541 INTERNAL_ERROR, any other, a lost connection | either | reconnect with backoff and replay |
 //! | not AMQP at all (TLS, HTTP) on the port | handshake | stop: fix `rabbitmq.url` (`amqps://` for a TLS port) |
 //!
@@ -36,6 +37,10 @@ pub enum Disposition {
 pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
     match code {
         403 => Disposition::Stop,
+        // "vhost 'v' is down", "connection limit (n) is reached": wait;
+        // "vhost v not found", "access to vhost 'v' refused": fix it.
+        530 if text.contains("is down") || text.contains("limit") => Disposition::Transient,
+        530 => Disposition::Stop,
         404 => match missing_exchange(text) {
             Some(x) if channel => Disposition::MissingExchange(x),
             _ => Disposition::Stop,

@@ -721,12 +721,11 @@ impl Wire {
         if let Some(hb) = self.heartbeat {
             while self.heartbeat_timer.as_mut().poll(cx).is_ready() {
                 // What the broker sent while nobody read counts as heard.
-                if let Poll::Ready(Ok(n)) =
-                    tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf)
-                {
-                    if n > 0 {
-                        self.last_read = Instant::now();
-                    }
+                match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(WireError::Eof)),
+                    Poll::Ready(Ok(_)) => self.last_read = Instant::now(),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                    Poll::Pending => {}
                 }
                 self.tick()?;
                 self.heartbeat_timer
