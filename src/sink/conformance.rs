@@ -647,6 +647,109 @@ async fn the_connection_has_tcp_keepalive() {
     task.await.unwrap();
 }
 
+/// Limits from the broker: `frame_max` 0 (none: ours, 131,072, is used),
+/// `channel_max` 1 (the relay needs two channels: a clear refusal).
+#[tokio::test]
+async fn the_brokers_limits_are_negotiated_or_refused() {
+    let (t, first) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(0).await;
+    })
+    .await;
+    let w = connect(&t).await.unwrap();
+    assert_eq!(w.frame_max(), 131_072);
+    first.await.unwrap();
+
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        while p.buf.len() < 8 {
+            assert!(p.read_more().await);
+        }
+        p.buf.drain(..8);
+        p.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: FieldTable::default(),
+                mechanisms: "PLAIN".into(),
+                locales: "en_US".into(),
+            })),
+        )
+        .await;
+        let _start_ok = p.method().await;
+        p.send_method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
+                channel_max: 1,
+                frame_max: 131_072,
+                heartbeat: 0,
+            })),
+        )
+        .await;
+        let _ = p.frame().await;
+    })
+    .await;
+    let e = connect(&t).await.unwrap_err();
+    assert!(e.to_string().contains("channel_max"), "{e}");
+    assert_eq!(e.disposition(), Disposition::Stop);
+    broker.abort();
+}
+
+/// `channel.flow` pauses the publishing channel like a blocked
+/// connection, and is answered with flow-ok.
+#[tokio::test]
+async fn channel_flow_is_answered_and_pauses_publishing() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(131_072).await;
+        for active in [false, true] {
+            p.send_method(
+                1,
+                AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active })),
+            )
+            .await;
+            let (ch, m) = p.method().await;
+            assert_eq!(ch, 1);
+            assert_eq!(
+                m,
+                AMQPClass::Channel(channel::AMQPMethod::FlowOk(channel::FlowOk { active }))
+            );
+        }
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    assert_eq!(next_event(&mut w).await.unwrap(), Event::Blocked(true));
+    assert!(w.is_blocked());
+    assert_eq!(next_event(&mut w).await.unwrap(), Event::Blocked(false));
+    assert!(!w.is_blocked());
+    broker.await.unwrap();
+}
+
+/// The broker stops reading, our send buffer fills, and then it closes the
+/// connection: the close is read and reported at once (the unwritten
+/// publishes are not waited for).
+#[tokio::test]
+async fn a_close_while_our_send_buffer_is_full_is_reported() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(131_072).await;
+        // Not reading: let the client fill the socket buffers.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        p.close_connection(320, "CONNECTION_FORCED - broker forced connection closure")
+            .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    for i in 0..64 {
+        w.publish(message(&format!("m{i}"), 1 << 20)).unwrap();
+    }
+    let e = next_event(&mut w).await.unwrap_err();
+    assert!(
+        matches!(e, WireError::ConnectionClosed { code: 320, .. }),
+        "{e}"
+    );
+    assert!(e.is_transient());
+    broker.abort();
+}
+
 mod fuzz {
     use super::*;
     use proptest::prelude::*;

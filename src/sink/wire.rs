@@ -206,6 +206,8 @@ pub struct Wire {
     channel_closed: Option<(u16, String)>,
     /// A first frame came: the peer speaks AMQP.
     greeted: bool,
+    /// The broker paused the publishing channel (`channel.flow`).
+    flow_paused: bool,
 }
 
 impl fmt::Debug for Wire {
@@ -451,6 +453,7 @@ impl Wire {
             broken: false,
             channel_closed: None,
             greeted: false,
+            flow_paused: false,
         }
     }
 
@@ -497,7 +500,7 @@ impl Wire {
 
     /// True while the broker blocks publishing (a resource alarm).
     pub fn is_blocked(&self) -> bool {
-        self.blocked
+        self.blocked || self.flow_paused
     }
 
     /// Writes what is queued and waits for the broker's next answer.
@@ -621,7 +624,23 @@ impl Wire {
             }
             AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Unblocked(_))) => {
                 self.blocked = false;
-                Ok(Some(Event::Blocked(false)))
+                Ok(Some(Event::Blocked(self.is_blocked())))
+            }
+            AMQPFrame::Method(
+                PUBLISH_CHANNEL,
+                AMQPClass::Channel(channel::AMQPMethod::Flow(f)),
+            ) => {
+                // The broker asks the channel to pause (or resume): answer,
+                // and hold publishing as for a blocked connection.
+                self.send_method(
+                    PUBLISH_CHANNEL,
+                    AMQPClass::Channel(channel::AMQPMethod::FlowOk(channel::FlowOk {
+                        active: f.active,
+                    })),
+                )?;
+                self.try_write_now();
+                self.flow_paused = !f.active;
+                Ok(Some(Event::Blocked(self.is_blocked())))
             }
             AMQPFrame::Method(PUBLISH_CHANNEL, AMQPClass::Basic(m)) => match m {
                 basic::AMQPMethod::Ack(a) => Ok(Some(Event::Ack {
