@@ -750,6 +750,128 @@ async fn a_close_while_our_send_buffer_is_full_is_reported() {
     broker.abort();
 }
 
+/// A broker that never confirms, reading everything (then only
+/// `rabbitmq.window_bytes` bounds what is in flight) or nothing (then the
+/// full write buffer does, too): the publisher stops taking work at 1 MiB
+/// of 100 KiB rows, whatever the window's count (1000) allows, and the
+/// confirm deadline ends the session; nothing is reported confirmed.
+#[tokio::test]
+async fn a_broker_that_never_confirms_bounds_the_publisher_and_times_out() {
+    for reads in [true, false] {
+        never_confirms(reads).await;
+    }
+}
+
+async fn never_confirms(reads: bool) {
+    use crate::config::{Config, OutboxColumns};
+    use crate::lsn::Lsn;
+    use crate::outbox::{Mapping, OutboxEvent};
+    use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
+    use crate::sink::budget::ByteBudget;
+    use crate::sink::publisher::{self, Progress, Refusals, SinkItem};
+    use std::sync::Arc;
+
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let broker = tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        let mut p = Peer { s, buf: Vec::new() };
+        p.handshake(131_072).await;
+        // Never answers; reads everything, or nothing.
+        if reads {
+            while p.read_more().await {
+                p.buf.clear();
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+    let toml = format!(
+        "[postgres]\nurl = \"postgres://u@h/db\"\n[outbox]\ntable = \"public.outbox\"\n\
+         [rabbitmq]\nurl = \"amqp://u:p@127.0.0.1:{port}/v\"\nexchange = \"{{aggregate_type}}\"\n\
+         window = 1000\nwindow_bytes = 1048576\nconfirm_timeout_secs = 2\n"
+    );
+    let cfg = Config::from_toml(&toml, "test.toml", Vec::new()).unwrap();
+    let mut sink = super::AmqpSink::connect(&cfg.rabbitmq).await.unwrap();
+
+    let columns = [
+        ("id", 25),
+        ("aggregate_type", 25),
+        ("aggregate_id", 25),
+        ("event_type", 25),
+        ("payload", 25),
+    ];
+    let rel = Relation {
+        id: 1,
+        namespace: "public".into(),
+        name: "outbox".into(),
+        replica_identity: b'd',
+        columns: columns
+            .iter()
+            .map(|(n, t)| Column {
+                flags: 0,
+                name: (*n).into(),
+                type_oid: *t,
+                type_modifier: -1,
+            })
+            .collect(),
+    };
+    let mapping = Mapping::new(&rel, &OutboxColumns::default_names(), &cfg.rabbitmq).map(Arc::new);
+    let payload = bytes::Bytes::from(vec![b'x'; 100 * 1024]);
+    let (tx, rx) = tokio::sync::mpsc::channel(300);
+    tx.try_send(SinkItem::Begin { commit_time_us: 0 }).unwrap();
+    for i in 0..200 {
+        let text = |v: String| ColumnValue::Text(bytes::Bytes::from(v));
+        let ev = OutboxEvent {
+            tuple: TupleData(
+                vec![
+                    text(format!("id-{i}")),
+                    text("a".into()),
+                    text("1".into()),
+                    text("e".into()),
+                    ColumnValue::Text(payload.clone()),
+                ]
+                .into(),
+            ),
+            mapping: mapping.clone(),
+            commit_time_us: 0,
+        };
+        tx.try_send(SinkItem::Event(ev)).unwrap();
+    }
+    tx.try_send(SinkItem::Commit { end_lsn: Lsn(100) }).unwrap();
+    let (wm, wm_rx) = tokio::sync::watch::channel(Progress {
+        lsn: Lsn(1),
+        commit_time_us: None,
+    });
+    let (refusals, budget) = (Refusals::default(), ByteBudget::default());
+    let metrics = crate::metrics::Metrics::new();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = publisher::run(
+        &mut sink,
+        rx,
+        &wm,
+        (&cfg.rabbitmq, &refusals, &budget),
+        Lsn(1),
+        &metrics,
+        &stop,
+    );
+    let r = tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("the confirm deadline did not fire");
+    let e = r.unwrap_err();
+    assert!(e.to_string().contains("no publisher confirm"), "{e}");
+    // Taken from the queue: BEGIN and at most what 1 MiB of window holds.
+    // Published and unconfirmed when the deadline fired (the gauge is set
+    // each second): at most what 1 MiB of window holds, not the 200 the
+    // count would allow.
+    let in_flight = metrics.in_flight.get();
+    assert!(
+        (1..=11).contains(&in_flight),
+        "{in_flight} messages in flight to a broker that never confirms (reads: {reads})"
+    );
+    assert_eq!(wm_rx.borrow().lsn, Lsn(1), "nothing is confirmed");
+    broker.abort();
+}
+
 mod fuzz {
     use super::*;
     use proptest::prelude::*;

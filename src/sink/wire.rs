@@ -161,6 +161,9 @@ pub enum Event {
     Returned(Returned),
     /// `connection.blocked` (true) or `connection.unblocked` (false).
     Blocked(bool),
+    /// The write buffer, full when the wait began, has drained: there is
+    /// room for more publishes.
+    Drained,
 }
 
 /// A `basic.return` whose content has not all arrived.
@@ -508,10 +511,29 @@ impl Wire {
     /// (e.g. in `select!`) loses nothing.
     pub async fn event(&mut self) -> Result<Event, WireError> {
         self.channel_open()?;
+        // The caller held new work back because the buffer was full: tell
+        // it as soon as the buffer drains, not at the next answer.
+        let gated = self.wants_flush();
         loop {
-            let frame = self.frame().await?;
-            if let Some(ev) = self.on_frame(frame)? {
-                return Ok(ev);
+            if self.broken {
+                return Err(WireError::Eof);
+            }
+            let next = std::future::poll_fn(|cx| match self.poll_frame(cx) {
+                Poll::Pending if gated && !self.wants_flush() => Poll::Ready(Ok(None)),
+                other => other.map(|r| r.map(Some)),
+            })
+            .await;
+            match next {
+                Err(e) => {
+                    self.broken = true;
+                    return Err(e);
+                }
+                Ok(None) => return Ok(Event::Drained),
+                Ok(Some(frame)) => {
+                    if let Some(ev) = self.on_frame(frame)? {
+                        return Ok(ev);
+                    }
+                }
             }
         }
     }
