@@ -306,7 +306,9 @@ pub async fn publish_wire(
         } else {
             wire.event().await?
         };
-        pending.apply(ev, Option::clone, &mut settled)?;
+        // One destination for every message: a return is matched by id.
+        let destination = |_: &Option<String>| (String::new(), String::new());
+        pending.apply(ev, (Option::clone, destination), &mut settled)?;
         for (_, res) in settled.drain(..) {
             match res {
                 Ok(()) => tally.acked += 1,
