@@ -757,12 +757,19 @@ async fn a_close_while_our_send_buffer_is_full_is_reported() {
 /// confirm deadline ends the session; nothing is reported confirmed.
 #[tokio::test]
 async fn a_broker_that_never_confirms_bounds_the_publisher_and_times_out() {
-    for reads in [true, false] {
-        never_confirms(reads).await;
+    for mode in ["reads", "silent"] {
+        never_confirms(mode).await;
     }
 }
 
-async fn never_confirms(reads: bool) {
+/// An ack for a delivery tag never published ends the session; nothing is
+/// taken for confirmed.
+#[tokio::test]
+async fn an_ack_for_a_tag_never_published_confirms_nothing() {
+    never_confirms("bogus-ack").await;
+}
+
+async fn never_confirms(mode: &'static str) {
     use crate::config::{Config, OutboxColumns};
     use crate::lsn::Lsn;
     use crate::outbox::{Mapping, OutboxEvent};
@@ -777,8 +784,20 @@ async fn never_confirms(reads: bool) {
         let (s, _) = listener.accept().await.unwrap();
         let mut p = Peer { s, buf: Vec::new() };
         p.handshake(131_072).await;
-        // Never answers; reads everything, or nothing.
-        if reads {
+        // Never confirms; reads everything, or nothing, or acks a tag
+        // that was never published.
+        if mode == "bogus-ack" {
+            p.publish().await;
+            p.send_method(
+                1,
+                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: 999,
+                    multiple: false,
+                })),
+            )
+            .await;
+        }
+        if mode != "silent" {
             while p.read_more().await {
                 p.buf.clear();
             }
@@ -858,17 +877,22 @@ async fn never_confirms(reads: bool) {
         .await
         .expect("the confirm deadline did not fire");
     let e = r.unwrap_err();
+    assert_eq!(wm_rx.borrow().lsn, Lsn(1), "nothing is confirmed ({mode})");
+    if mode == "bogus-ack" {
+        assert!(e.to_string().contains("delivery tag 999"), "{e}");
+        assert!(e.is_transient(), "{e}");
+        broker.abort();
+        return;
+    }
     assert!(e.to_string().contains("no publisher confirm"), "{e}");
-    // Taken from the queue: BEGIN and at most what 1 MiB of window holds.
     // Published and unconfirmed when the deadline fired (the gauge is set
     // each second): at most what 1 MiB of window holds, not the 200 the
     // count would allow.
     let in_flight = metrics.in_flight.get();
     assert!(
         (1..=11).contains(&in_flight),
-        "{in_flight} messages in flight to a broker that never confirms (reads: {reads})"
+        "{in_flight} messages in flight to a broker that never confirms ({mode})"
     );
-    assert_eq!(wm_rx.borrow().lsn, Lsn(1), "nothing is confirmed");
     broker.abort();
 }
 
