@@ -38,15 +38,17 @@ impl ByteBudget {
     /// small.
     pub fn cost(item: &SinkItem) -> u32 {
         match item {
-            SinkItem::Event(ev) => {
-                let n = ev.bytes();
-                if n < SMALL_ROW {
-                    0
-                } else {
-                    n.min(QUEUE_BYTES) as u32
-                }
-            }
+            SinkItem::Event(ev) => Self::cost_of(ev.bytes()),
             _ => 0,
+        }
+    }
+
+    /// The cost of a row of `bytes` ([`crate::outbox::OutboxEvent::bytes`]).
+    pub fn cost_of(bytes: usize) -> u32 {
+        if bytes < SMALL_ROW {
+            0
+        } else {
+            bytes.min(QUEUE_BYTES) as u32
         }
     }
 
@@ -65,10 +67,5 @@ impl ByteBudget {
         if cost > 0 {
             self.bytes.add_permits(cost as usize);
         }
-    }
-
-    /// Bytes free now (for tests).
-    pub fn available(&self) -> usize {
-        self.bytes.available_permits()
     }
 }

@@ -70,6 +70,17 @@ impl Peer {
 
     /// Up to the `connection.tune` answer: header, start, start-ok, tune.
     async fn start(&mut self, frame_max: u32, heartbeat: u16) {
+        self.greet().await;
+        self.tune(2047, frame_max, heartbeat).await;
+        let (_, m) = self.method().await;
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::TuneOk(_))),
+            "{m:?}"
+        );
+    }
+
+    /// The protocol header, then start and start-ok.
+    async fn greet(&mut self) {
         while self.buf.len() < 8 {
             assert!(self.read_more().await, "no protocol header");
         }
@@ -91,20 +102,18 @@ impl Peer {
             matches!(m, AMQPClass::Connection(connection::AMQPMethod::StartOk(_))),
             "{m:?}"
         );
+    }
+
+    async fn tune(&mut self, channel_max: u16, frame_max: u32, heartbeat: u16) {
         self.send_method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
-                channel_max: 2047,
+                channel_max,
                 frame_max,
                 heartbeat,
             })),
         )
         .await;
-        let (_, m) = self.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::TuneOk(_))),
-            "{m:?}"
-        );
     }
 
     /// A whole handshake: connection, channel 1, confirm mode.
@@ -232,26 +241,7 @@ async fn next_event(w: &mut Wire) -> Result<Event, WireError> {
 async fn wrong_credentials_stop_and_the_close_is_answered() {
     let (t, broker) = broker("127.0.0.1", |mut p| async move {
         // RabbitMQ refuses a login right after start-ok.
-        while p.buf.len() < 8 {
-            assert!(p.read_more().await);
-        }
-        p.buf.drain(..8);
-        p.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
-                version_major: 0,
-                version_minor: 9,
-                server_properties: FieldTable::default(),
-                mechanisms: "PLAIN".into(),
-                locales: "en_US".into(),
-            })),
-        )
-        .await;
-        let (_, m) = p.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::StartOk(_))),
-            "{m:?}"
-        );
+        p.greet().await;
         p.close_connection(403, "ACCESS_REFUSED - Login was refused")
             .await;
         let (_, m) = p.method().await;
@@ -660,31 +650,8 @@ async fn the_brokers_limits_are_negotiated_or_refused() {
     first.await.unwrap();
 
     let (t, broker) = broker("127.0.0.1", |mut p| async move {
-        while p.buf.len() < 8 {
-            assert!(p.read_more().await);
-        }
-        p.buf.drain(..8);
-        p.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
-                version_major: 0,
-                version_minor: 9,
-                server_properties: FieldTable::default(),
-                mechanisms: "PLAIN".into(),
-                locales: "en_US".into(),
-            })),
-        )
-        .await;
-        let _start_ok = p.method().await;
-        p.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
-                channel_max: 1,
-                frame_max: 131_072,
-                heartbeat: 0,
-            })),
-        )
-        .await;
+        p.greet().await;
+        p.tune(1, 131_072, 0).await;
         let _ = p.frame().await;
     })
     .await;

@@ -96,11 +96,12 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn new(seq: Seq, content: Content, body_bytes: usize, commit_time_us: i64) -> InFlight {
-        let held = match &content {
-            Content::Event(ev) => ev.bytes(),
-            Content::DeadLetter(env) => env.body.len(),
-        };
+    fn new(
+        seq: Seq,
+        content: Content,
+        (body_bytes, held): (usize, usize),
+        commit_time_us: i64,
+    ) -> InFlight {
         InFlight {
             held,
             commit_time_us,
@@ -117,7 +118,7 @@ impl InFlight {
         InFlight::new(
             seq,
             Content::DeadLetter(Box::new(dl)),
-            bytes,
+            (bytes, bytes),
             commit_time_us,
         )
     }
@@ -362,7 +363,13 @@ impl Publisher<'_> {
 
     /// A new event: check it, publish it (encoded straight from the row),
     /// or dead-letter it.
-    fn publish_event(&mut self, sink: &mut AmqpSink, ev: OutboxEvent) -> Result<(), RelayError> {
+    /// `bytes`: the row's size ([`OutboxEvent::bytes`]), measured once.
+    fn publish_event(
+        &mut self,
+        sink: &mut AmqpSink,
+        ev: OutboxEvent,
+        bytes: usize,
+    ) -> Result<(), RelayError> {
         let seq = self.cp.publish()?;
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
@@ -375,7 +382,7 @@ impl Publisher<'_> {
                 return self.launch(sink, f, env);
             }
         };
-        let f = InFlight::new(seq, Content::Event(ev), body_bytes, commit_time_us);
+        let f = InFlight::new(seq, Content::Event(ev), (body_bytes, bytes), commit_time_us);
         self.held += f.held;
         self.unconfirmed.push(tag, f);
         Ok(())
@@ -603,10 +610,13 @@ impl Publisher<'_> {
 
     /// A new item from the source, in WAL order.
     fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), RelayError> {
-        self.budget.give_back(ByteBudget::cost(&item));
         match item {
             SinkItem::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
-            SinkItem::Event(ev) => self.publish_event(sink, ev)?,
+            SinkItem::Event(ev) => {
+                let bytes = ev.bytes();
+                self.budget.give_back(ByteBudget::cost_of(bytes));
+                self.publish_event(sink, ev, bytes)?
+            }
             SinkItem::Commit { end_lsn } => {
                 let moved = self.cp.commit(end_lsn)?;
                 self.advance(moved);
