@@ -10,9 +10,9 @@ SHELL := bash
 SERVERS := integration/servers.sh
 # The command `make test` runs against the servers; override to narrow a run:
 #   make test TEST_CMD='cargo test --test failures -- --nocapture'
-TEST_CMD ?= cargo test --all-targets -- --test-threads=4
+TEST_CMD ?= cargo test --all-targets --no-fail-fast -- --test-threads=4
 
-.PHONY: help build test demo bench lint clean
+.PHONY: help build test demo bench deb lint clean
 
 help: ## List the targets (default)
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -30,6 +30,10 @@ demo: ## Relay a few outbox events end to end and print the messages
 
 bench: ## Benchmarks vs broker ceiling and polling -> target/bench/report.md (BENCH_EVENTS, BENCH_SECONDS)
 	bench/run.sh
+
+deb: ## Release build + Debian package -> target/deb/outbox-relay_<version>_<arch>.deb
+	cargo build --release --locked
+	deploy/deb/build.sh target/release/outbox-relay
 
 lint: ## rustfmt check + clippy with warnings as errors
 	cargo fmt --check

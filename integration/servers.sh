@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Throwaway PostgreSQL + RabbitMQ servers for the integration tests and the demo.
 #
-#   servers.sh install              apt-get install postgresql/rabbitmq-server if missing
+#   servers.sh install              apt-get install postgresql/rabbitmq-server (and
+#                                   prometheus, for promtool: tests/deploy.rs) if missing
 #   servers.sh up DIR               start both servers under DIR, write DIR/env
 #   servers.sh down DIR             stop both servers, delete DIR
 #   servers.sh with CMD [ARGS...]   install + up + run CMD with DIR/env loaded + down
@@ -10,6 +11,21 @@
 #     pg stop/restart shut down "fast", pg kill "immediate" (a crash); start
 #     and stop are no-ops when already started/stopped; start returns once
 #     the server accepts connections; rabbitmq ctl runs rabbitmqctl ARGS.
+#
+# Made on demand by the failover tests, also under $OUTBOX_IT_DIR and also
+# deleted by `down` (env files and details: integration/cluster.sh, pgha.sh):
+#   servers.sh cluster up|down|restart|status      a 3-node RabbitMQ cluster;
+#   servers.sh cluster stop|start|stop_app|start_app N...   up writes
+#   servers.sh cluster ctl N ARGS...               DIR/cluster/env
+#     up is idempotent (and starts nodes left stopped); start, start_app and
+#     restart return once the nodes have (re)joined the others; status exits
+#     0 only if all three nodes run.
+#   servers.sh pgha up NAME                        a PostgreSQL primary and a
+#   servers.sh pgha NAME stop|start|kill primary|standby   streaming standby;
+#   servers.sh pgha NAME catchup|promote|status|down       up writes
+#     DIR/pgha-NAME/env; up and start return once the standby streams (if it
+#     can), catchup once it has replayed all the primary wrote, promote once
+#     it accepts writes.
 #
 # The servers are private: their own data directories, free ports picked at
 # run time, their own epmd, a random Erlang cookie. The system PostgreSQL
@@ -70,6 +86,12 @@ cmd_install() {
     have_pg || pkgs+=(postgresql)
     have_rabbitmq || pkgs+=(rabbitmq-server)
     command -v python3 >/dev/null || pkgs+=(python3)
+    # tests/package.rs: building (objdump) and checking (systemd-analyze)
+    # the Debian package.
+    command -v objdump >/dev/null || pkgs+=(binutils)
+    command -v systemd-analyze >/dev/null || pkgs+=(systemd)
+    # promtool checks and unit-tests deploy/prometheus (tests/deploy.rs).
+    command -v promtool >/dev/null || pkgs+=(prometheus)
     ((${#pkgs[@]})) || return 0
 
     log "installing ${pkgs[*]} ..."
@@ -77,7 +99,7 @@ cmd_install() {
     local out
     out=$(mktemp)
     # The packages' postinst scripts would start the *system* PostgreSQL
-    # cluster and RabbitMQ node. A policy-rc.d that answers 101 ("action
+    # cluster, RabbitMQ node and Prometheus server. A policy-rc.d that answers 101 ("action
     # forbidden") stops that; only add one if the machine has none already.
     local own_policy=""
     if [[ ! -e /usr/sbin/policy-rc.d ]]; then
@@ -104,85 +126,20 @@ cmd_install() {
     rm -f "$out"
     have_pg || die "PostgreSQL binaries still missing after install"
     have_rabbitmq || die "RabbitMQ binaries still missing after install"
+    command -v promtool >/dev/null || die "promtool still missing after installing prometheus"
+    # Only promtool is wanted: the Prometheus server (port 9090) the package
+    # enables must not start at boot either, where systemd runs.
+    if [[ " ${pkgs[*]} " == *" prometheus "* && -d /run/systemd/system ]]; then
+        systemctl disable --now prometheus.service >/dev/null 2>&1 ||
+            log "warning: could not disable prometheus.service"
+    fi
 }
 
 # ---------------------------------------------------------------- ports
 
-# Print N free TCP ports and record them as taken by DIR.
-#
-# Ports come from below the kernel's ephemeral range, so that the many
-# outgoing connections a test run makes can never be handed one of them as
-# a local port (which matters when a test stops a server and starts it again
-# on the same port). A registry of reservations, under an exclusive lock,
-# keeps two harnesses that start at the same time from picking the same
-# port before either server has bound it; a reservation dies with its DIR.
-pick_ports() {
-    python3 - "$PORT_REGISTRY" "$1" "$2" <<'EOF'
-import fcntl, os, random, socket, sys
-
-registry, owner, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-os.makedirs(registry, exist_ok=True)
-with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-    ephemeral_low = int(f.read().split()[0])
-low, high = 20000, ephemeral_low - 1
-if high - low < 1000:
-    low, high = 10000, 19999
-# Default ports of the system PostgreSQL/RabbitMQ/epmd and RabbitMQ's CLI
-# range: free now, but those services could be started later.
-well_known = {4369, 5432, 5672, 15672, 25672} | set(range(35672, 35683))
-
-def bindable(port):
-    # 0.0.0.0 clashes with a listener on any IPv4 address, 127.0.0.1 included.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-with open(os.path.join(registry, ".lock"), "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    candidates = [p for p in range(low, high + 1) if p not in well_known]
-    random.shuffle(candidates)
-    picked = []
-    for port in candidates:
-        if len(picked) == count:
-            break
-        entry = os.path.join(registry, str(port))
-        try:
-            with open(entry) as f:
-                if os.path.isdir(f.read().strip()):
-                    continue  # reserved by a harness that is still up
-        except FileNotFoundError:
-            pass
-        if bindable(port):
-            picked.append(port)
-    if len(picked) < count:
-        sys.exit("no free ports")
-    for port in picked:
-        with open(os.path.join(registry, str(port)), "w") as f:
-            f.write(owner + "\n")
-    print(*picked)
-EOF
-}
-
-release_ports() {
-    local dir=$1 entry
-    [[ -d $PORT_REGISTRY ]] || return 0
-    for entry in "$PORT_REGISTRY"/[0-9]*; do
-        [[ -f $entry && $(cat "$entry" 2>/dev/null) == "$dir" ]] && rm -f "$entry"
-    done
-    return 0
-}
-
-# Wait until something accepts TCP connections on 127.0.0.1:PORT.
-wait_for_port() {
-    local port=$1 deadline=$((SECONDS + $2))
-    until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
-        ((SECONDS < deadline)) || return 1
-        sleep 0.2
-    done
-}
+# pick_ports, release_ports, wait_for_port
+# shellcheck source=integration/ports.sh
+source "${SELF%/*}/ports.sh"
 
 # ---------------------------------------------------------------- PostgreSQL
 
@@ -293,9 +250,10 @@ cmd_pg() {
 
 # ---------------------------------------------------------------- RabbitMQ
 
+# NAME and EPMD_DIR (where epmd.pid is) default to those of the single node.
 rabbitmq_init() {
     local dir=$1 amqp_port=$2 dist_port=$3 epmd_port=$4
-    local r=$dir/rabbitmq
+    local r=$dir/rabbitmq name=${5:-outbox-it-$$@localhost} epmd_dir=${6:-$dir/rabbitmq}
     mkdir -p "$r/home" "$r/mnesia" "$r/log" "$r/plugins-expand"
 
     # Anything under /etc/rabbitmq is for the system node: point every
@@ -317,7 +275,7 @@ EOF
     # and nothing else; sourced by every later command.
     {
         emit HOME "$r/home"
-        emit RABBITMQ_NODENAME "outbox-it-$$@localhost"
+        emit RABBITMQ_NODENAME "$name"
         emit RABBITMQ_NODE_IP_ADDRESS 127.0.0.1
         emit RABBITMQ_NODE_PORT "$amqp_port"
         emit RABBITMQ_DIST_PORT "$dist_port"
@@ -325,6 +283,7 @@ EOF
         # neither see this node nor be killed along with it.
         emit ERL_EPMD_PORT "$epmd_port"
         emit ERL_EPMD_ADDRESS 127.0.0.1
+        emit OUTBOX_IT_EPMD_DIR "$epmd_dir"
         emit RABBITMQ_CONF_ENV_FILE "$r/rabbitmq-env.conf"
         emit RABBITMQ_CONFIG_FILE "$r/rabbitmq.conf"
         emit RABBITMQ_ADVANCED_CONFIG_FILE "$r/advanced.config"
@@ -367,24 +326,27 @@ rmqctl() { "$RMQ_BIN/rabbitmqctl" -q -n "$RABBITMQ_NODENAME" "$@"; }
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# Start an epmd on PORT unless the one recorded in DIR/epmd.pid runs.
+epmd_start() {
+    local e=$1 port=$2 i
+    pid_alive "$e/epmd.pid" && return 0
+    setsid epmd -port "$port" -address 127.0.0.1 </dev/null >>"$e/epmd.log" 2>&1 &
+    echo $! >"$e/epmd.pid"
+    for i in $(seq 50); do
+        epmd -port "$port" -names >/dev/null 2>&1 && break
+        ((i < 50)) || die "epmd did not start (see $e/epmd.log)"
+        sleep 0.1
+    done
+}
+
 # Start epmd (if needed) and the node, return once AMQP connections are accepted.
 rabbitmq_start() (
     local dir=$1 r=$1/rabbitmq
     # shellcheck disable=SC1091
     source "$r/rabbitmq.env"
     cd "$r"
-
-    if ! pid_alive "$r/epmd.pid"; then
-        setsid epmd -port "$ERL_EPMD_PORT" -address 127.0.0.1 \
-            </dev/null >>"$r/epmd.log" 2>&1 &
-        echo $! >"$r/epmd.pid"
-        local i
-        for i in $(seq 50); do
-            epmd -port "$ERL_EPMD_PORT" -names >/dev/null 2>&1 && break
-            ((i < 50)) || die "epmd did not start (see $r/epmd.log)"
-            sleep 0.1
-        done
-    fi
+    # Cluster nodes share their cluster's epmd; the single node has its own.
+    epmd_start "${OUTBOX_IT_EPMD_DIR:-$r}" "$ERL_EPMD_PORT"
 
     if pid_alive "$r/server.pid"; then
         # The VM is up: at most the app was stopped (`ctl stop_app`).
@@ -440,9 +402,9 @@ rabbitmq_stop() (
 )
 
 epmd_stop() {
-    local r=$1/rabbitmq
-    pid_alive "$r/epmd.pid" && kill "$(cat "$r/epmd.pid")" 2>/dev/null
-    rm -f "$r/epmd.pid"
+    local e=$1
+    pid_alive "$e/epmd.pid" && kill "$(cat "$e/epmd.pid")" 2>/dev/null
+    rm -f "$e/epmd.pid"
 }
 
 cmd_rabbitmq() {
@@ -530,11 +492,28 @@ cmd_down() {
     if [[ ! -e $dir/.outbox-it ]]; then
         [[ -z $(ls -A "$dir") ]] || die "$dir was not made by servers.sh up; not deleting it"
     fi
+    cluster_teardown "$dir"
+    pgha_teardown "$dir"
     if [[ -d $dir/pg ]]; then pg_stop "$dir"; fi
     rabbitmq_stop "$dir"
-    epmd_stop "$dir"
+    epmd_stop "$dir/rabbitmq"
+    kill_strays "$dir"
     release_ports "$dir"
     rm -rf "$dir"
+}
+
+# A last resort after the orderly stops: server processes still running
+# from under DIR (a pid file lost, a stop that failed) are killed.
+kill_strays() {
+    local dir=$1 pid
+    for pid in $(pgrep -f -- "$dir/" || true); do
+        case $(cat "/proc/$pid/comm" 2>/dev/null) in
+            beam.smp | postgres | pg_basebackup)
+                log "killing stray process $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)"
+                kill -9 "$pid" 2>/dev/null || true
+                ;;
+        esac
+    done
 }
 
 # ---------------------------------------------------------------- with
@@ -589,10 +568,19 @@ cmd_with() {
     WITH_CHILD=""
     if ((rc != 0)); then
         log "'$*' exited $rc; last lines of the server logs:"
-        tail -n 20 "$WITH_DIR/pg.log" "$WITH_DIR/rabbitmq/log/rabbit.log" >&2 2>/dev/null || true
+        tail -n 20 "$WITH_DIR/pg.log" "$WITH_DIR/rabbitmq/log/rabbit.log" \
+            "$WITH_DIR"/cluster/node*/rabbitmq/log/rabbit.log "$WITH_DIR"/pgha-*/*/pg.log \
+            >&2 2>/dev/null || true
     fi
     exit "$rc"
 }
+
+# ---------------------------------------------------------------- cluster, pgha
+
+# shellcheck source=integration/cluster.sh
+source "${SELF%/*}/cluster.sh"
+# shellcheck source=integration/pgha.sh
+source "${SELF%/*}/pgha.sh"
 
 # ---------------------------------------------------------------- main
 
@@ -606,6 +594,8 @@ main() {
         with) cmd_with "$@" ;;
         pg) cmd_pg "$@" ;;
         rabbitmq) cmd_rabbitmq "$@" ;;
+        cluster) cmd_cluster "$@" ;;
+        pgha) cmd_pgha "$@" ;;
         *)
             sed -n '2,/^set -euo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//' >&2
             exit 2

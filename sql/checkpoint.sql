@@ -16,11 +16,13 @@ CREATE TABLE IF NOT EXISTS public.outbox_relay_checkpoint (
   written_at       timestamptz NOT NULL DEFAULT now()
 );
 -- Added in 0.2 (`outbox-relay setup` and `recover` add them too): the
--- longest transaction the relay has seen, and a recovery under way (its
--- window and the last row it confirmed; see README, "Recovery").
+-- longest transaction the relay has seen, a recovery under way (its window
+-- and the last row it confirmed; see README, "Recovery"), and the cluster
+-- the row was written on (a restart resumes from confirmed_lsn only there).
 ALTER TABLE public.outbox_relay_checkpoint
   ADD COLUMN IF NOT EXISTS longest_tx_secs        float8,
   ADD COLUMN IF NOT EXISTS recovery_since         timestamptz,
   ADD COLUMN IF NOT EXISTS recovery_after_created timestamptz,
   ADD COLUMN IF NOT EXISTS recovery_after_id      text,
-  ADD COLUMN IF NOT EXISTS recovery_done          bigint;
+  ADD COLUMN IF NOT EXISTS recovery_done          bigint,
+  ADD COLUMN IF NOT EXISTS system_identifier      text;

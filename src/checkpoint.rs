@@ -176,6 +176,16 @@ impl Checkpoint {
     }
 }
 
+/// The durable position and the commit time of the transaction that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Safe to report as flushed.
+    pub lsn: Lsn,
+    /// Commit time (µs since the Unix epoch) of the newest durable
+    /// transaction, if any in this session.
+    pub commit_time_us: Option<i64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

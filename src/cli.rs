@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
+use crate::config::{Config, OnSlotLost};
 use crate::lsn::Lsn;
 use crate::relay::{self, RelayError};
 use crate::source::{SourceError, connect_sql, slot, sql_err};
@@ -54,7 +54,7 @@ pub enum Command {
         dry_run: bool,
         /// Seconds before the checkpoint's commit time to start from, to
         /// cover rows created earlier but committed later.
-        #[arg(long, default_value_t = 60)]
+        #[arg(long, default_value_t = crate::recover::DEFAULT_OVERLAP_SECS)]
         overlap_secs: u64,
     },
     /// Re-send chosen outbox rows on purpose (same message ids).
@@ -75,6 +75,28 @@ pub enum Command {
         /// With --since: only rows created before this time.
         #[arg(long, requires = "since")]
         until: Option<String>,
+        /// Only this outbox table (as in the config); default: every one.
+        #[arg(long)]
+        table: Option<String>,
+    },
+    /// Delete outbox rows older than an age and behind the last checkpoint
+    /// (confirmed, and outside `recover`'s window), in short batches.
+    Prune {
+        /// Config file.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only rows created longer ago than this: 30d, 12h, 90m, 3600s, 2w.
+        #[arg(long, value_parser = crate::recover::prune::parse_age)]
+        older_than: std::time::Duration,
+        /// Rows per transaction.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+        batch: i64,
+        /// Only count what would be deleted.
+        #[arg(long)]
+        dry_run: bool,
+        /// Only this outbox table (as in the config); default: every one.
+        #[arg(long)]
+        table: Option<String>,
     },
     /// Preflight: check the servers and the configuration without changing
     /// anything; one `ok`/`warn`/`FAIL` line per check, exit 1 on any FAIL.
@@ -107,10 +129,15 @@ impl Command {
             | Command::Check(c)
             | Command::Status { config: c, .. }
             | Command::Recover { config: c, .. }
-            | Command::Republish { config: c, .. } => &c.config,
+            | Command::Republish { config: c, .. }
+            | Command::Prune { config: c, .. } => &c.config,
         }
     }
 }
+
+/// How long after `run` recovered a lost slot losing it again stops the
+/// relay instead.
+const RECOVER_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// `run`: returns the final confirmed LSN (`None`: stopped before or
 /// between sessions).
@@ -119,26 +146,72 @@ pub async fn run(
     shutdown: CancellationToken,
     metrics: &crate::metrics::Metrics,
 ) -> Result<Option<Lsn>, RelayError> {
-    // A recovery left half way (`recover` stopped, or its slot was made and
-    // the rows not all re-published) is finished first.
-    let mut attempt = 0;
+    let mut lost = false;
+    // A slot lost again soon after it was recreated means the recovery
+    // cannot keep up (e.g. max_slot_wal_keep_size below what re-publishing
+    // the window writes): recovering again would only repeat the window.
+    let mut recovered_at: Option<std::time::Instant> = None;
     loop {
-        let e = match crate::recover::finish_pending(cfg, &shutdown).await {
-            Ok(true) => break,
-            Ok(false) => return Ok(None), // stopped; the record stays
-            Err(e) if e.is_transient() && !shutdown.is_cancelled() => e,
-            Err(e) if e.is_transient() => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let delay = relay::backoff(attempt);
-        attempt += 1;
-        tracing::warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, "finishing the recovery");
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(None),
-            _ = tokio::time::sleep(delay) => {}
+        // A recovery left half way (`recover` stopped, or its slot was made
+        // and the rows not all re-published) is finished first; with
+        // `on_slot_lost = "recover"`, a lost slot is recovered here.
+        let mut attempt = 0;
+        loop {
+            let step = if lost {
+                crate::recover::recover_lost_slot(cfg, &shutdown)
+                    .await
+                    .map(|_| true)
+            } else {
+                crate::recover::finish_pending(cfg, &shutdown).await
+            };
+            let e = match step {
+                Ok(true) => break,
+                Ok(false) => return Ok(None), // stopped; the record stays
+                Err(e) if e.is_transient() && !shutdown.is_cancelled() => e,
+                Err(e) if e.is_transient() => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let delay = relay::backoff(attempt);
+            attempt += 1;
+            tracing::warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, "finishing the recovery");
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(delay) => {}
+            }
+        }
+        match relay::run(cfg, shutdown.clone(), metrics).await {
+            Err(RelayError::Source(SourceError::SlotLost(why)))
+                if cfg.postgres.on_slot_lost == OnSlotLost::Recover && !shutdown.is_cancelled() =>
+            {
+                if recovered_at.is_some_and(|t| t.elapsed() < RECOVER_AGAIN_AFTER) {
+                    return Err(RelayError::Source(SourceError::Setup(format!(
+                        "{why}; the slot was lost again within {} minutes of its recovery: \
+                         not recovering in a loop. Find out why (max_slot_wal_keep_size, a \
+                         failover under way, someone dropping it), then run `outbox-relay recover`",
+                        RECOVER_AGAIN_AFTER.as_secs() / 60
+                    ))));
+                }
+                recovered_at = Some(std::time::Instant::now());
+                tracing::error!(
+                    reason = %why,
+                    "replication slot lost: recreating it and re-publishing the outbox rows \
+                     written since the last checkpoint (postgres.on_slot_lost = \"recover\"); \
+                     consumers will see duplicates"
+                );
+                metrics.slot_recoveries.inc();
+                lost = true;
+            }
+            // Another relay (or `recover`) is re-publishing: go back to
+            // finishing the recovery, which waits for its lock.
+            Err(RelayError::Source(SourceError::RecoveryPending(slot)))
+                if !shutdown.is_cancelled() =>
+            {
+                tracing::info!(%slot, "a recovery is under way: waiting for it before streaming");
+                lost = false;
+            }
+            other => return other,
         }
     }
-    relay::run(cfg, shutdown, metrics).await
 }
 
 /// `setup`: prints what it did.
@@ -170,6 +243,12 @@ pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
         cfg.postgres.publication,
         said(report.created_publication)
     );
+    for table in &report.added_tables {
+        println!(
+            "publication {}: added {table} (its inserts are relayed from now on)",
+            cfg.postgres.publication
+        );
+    }
     println!(
         "replication slot {}: {}",
         cfg.postgres.slot,
@@ -202,6 +281,9 @@ pub struct Status {
     pub safe_wal_size: Option<i64>,
     /// The relay's recorded checkpoint, if any.
     pub checkpoint: Option<crate::source::checkpoint_table::Recorded>,
+    /// Prefixes of the table-less outboxes: their events exist only in the
+    /// WAL the slot retains, so a lost slot loses them.
+    pub table_less_prefixes: Vec<String>,
 }
 
 /// `status`.
@@ -239,6 +321,9 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
         active: info.as_ref().is_some_and(|i| i.active_pid.is_some()),
         safe_wal_size,
         checkpoint,
+        table_less_prefixes: (cfg.outboxes.iter())
+            .filter_map(|o| o.prefix().map(str::to_owned))
+            .collect(),
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
@@ -274,6 +359,13 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
             ),
             None => println!("checkpoint           none recorded"),
         }
+    }
+    if !json && !s.table_less_prefixes.is_empty() {
+        println!(
+            "table-less outboxes  {}: their events exist only in the WAL this slot retains; if \
+             the slot is lost they are lost (`recover` re-publishes tables only)",
+            s.table_less_prefixes.join(", ")
+        );
     }
     Ok(())
 }
@@ -327,20 +419,51 @@ pub async fn recover(
     Ok(())
 }
 
+/// `prune`: prints what it deleted (or would) and what it kept.
+pub async fn prune(
+    cfg: &Config,
+    older_than: std::time::Duration,
+    (batch, dry_run): (i64, bool),
+    table: Option<&str>,
+    stop: &CancellationToken,
+) -> Result<(), RelayError> {
+    let reports =
+        crate::recover::prune::prune(cfg, older_than, (batch, dry_run), table, stop).await?;
+    let verb = if dry_run { "would delete" } else { "deleted" };
+    for (table, r) in reports {
+        println!(
+            "{verb} {} rows of {table} created before {}",
+            r.deleted, r.cutoff
+        );
+        if r.kept > 0 {
+            println!(
+                "kept {} older rows of {table}: the last checkpoint does not cover them yet (not \
+                 confirmed, or inside the window `recover` would re-publish)",
+                r.kept
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `republish`.
 pub async fn republish(
     cfg: &Config,
     sel: crate::recover::Selection,
+    table: Option<&str>,
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
-    let (selected, p) = crate::recover::republish(cfg, &sel, stop).await?;
+    let (selected, p) = crate::recover::republish(cfg, &sel, table, stop).await?;
     if let crate::recover::Selection::Ids(ids) = &sel {
         if (selected as usize) < ids.len() {
+            let tables: Vec<String> = (cfg.outboxes.iter())
+                .filter_map(|o| o.table().map(|t| t.to_string()))
+                .collect();
             eprintln!(
                 "outbox-relay: {} of {} ids not found in {}",
                 ids.len() - selected as usize,
                 ids.len(),
-                cfg.outbox.table
+                tables.join(", ")
             );
         }
     }

@@ -15,11 +15,18 @@
 //! | event -> AMQP message | [`message`], [`template`] |
 //! | publish with confirms | [`sink`] |
 //! | confirmed-LSN watermark | [`checkpoint`] |
+//! | why a session ended, retry or stop | [`error`] |
 //! | sessions, reconnects, shutdown | [`relay`] |
 //! | re-publishing from the table | [`recover`] |
 //! | operator commands, preflight | [`cli`], [`check`] |
 //! | metrics, health | [`metrics`], [`http`] |
 //! | configuration, TLS, PostgreSQL URLs, masking secrets | [`config`], [`tls`], [`pgurl`], [`redact`] |
+//!
+//! Dependencies run one way, down this list: `relay` and `recover` use
+//! `source` and `sink` (and [`error`], which wraps their errors); `source`
+//! and `sink` use neither each other nor anything above them. What they
+//! share sits below both: the watermark ([`checkpoint::Progress`]), the
+//! configuration, the message.
 //!
 //! # LSN invariants
 //!
@@ -41,6 +48,7 @@ pub mod check;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod error;
 pub mod http;
 pub mod lsn;
 pub mod message;

@@ -92,8 +92,33 @@ async fn main() -> ExitCode {
                 Err(e) => Err(e),
             }
         }
+        Command::Prune {
+            older_than,
+            batch,
+            dry_run,
+            table,
+            ..
+        } => {
+            let stop = CancellationToken::new();
+            match install_signals(stop.clone()) {
+                Ok(()) => cli::prune(
+                    &cfg,
+                    *older_than,
+                    (*batch, *dry_run),
+                    table.as_deref(),
+                    &stop,
+                )
+                .await
+                .map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            }
+        }
         Command::Republish {
-            ids, since, until, ..
+            ids,
+            since,
+            until,
+            table,
+            ..
         } => {
             let sel = match since {
                 Some(since) => outbox_relay::recover::Selection::Since {
@@ -104,7 +129,7 @@ async fn main() -> ExitCode {
             };
             let stop = CancellationToken::new();
             match install_signals(stop.clone()) {
-                Ok(()) => cli::republish(&cfg, sel, &stop)
+                Ok(()) => cli::republish(&cfg, sel, table.as_deref(), &stop)
                     .await
                     .map_err(anyhow::Error::from),
                 Err(e) => Err(e),

@@ -34,6 +34,8 @@ pub mod names {
     pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
     /// WAL the slot retains, polled.
     pub const RETAINED_WAL: &str = "outbox_relay_retained_wal_bytes";
+    /// WAL that may still be written before the slot is lost, polled.
+    pub const SAFE_WAL: &str = "outbox_relay_slot_safe_wal_bytes";
     /// Now minus commit time of the oldest unconfirmed transaction.
     pub const LAG: &str = "outbox_relay_replication_lag_seconds";
     /// Sessions restarted, by the side that failed.
@@ -42,6 +44,8 @@ pub mod names {
     pub const BLOCKED: &str = "outbox_relay_broker_blocked";
     /// 1 while streaming from the slot with the broker connected.
     pub const STREAMING: &str = "outbox_relay_streaming";
+    /// Lost slots recreated, and their outbox rows re-published, by `run`.
+    pub const SLOT_RECOVERIES: &str = "outbox_relay_slot_recoveries";
 }
 
 /// What became of an event.
@@ -121,6 +125,8 @@ pub struct Metrics {
     pub confirmed_lsn: Gauge<u64, AtomicU64>,
     /// See [`names::RETAINED_WAL`].
     pub retained_wal_bytes: Gauge,
+    /// See [`names::SAFE_WAL`]; -1 while unknown or unlimited.
+    pub safe_wal_bytes: Gauge,
     /// See [`names::LAG`].
     pub lag_seconds: Gauge<f64, AtomicU64>,
     /// See [`names::RECONNECTS`].
@@ -129,6 +135,8 @@ pub struct Metrics {
     pub blocked: Gauge,
     /// See [`names::STREAMING`].
     pub streaming: Gauge,
+    /// See [`names::SLOT_RECOVERIES`].
+    pub slot_recoveries: Counter,
     registry: Arc<Registry>,
 }
 
@@ -160,10 +168,12 @@ impl Metrics {
             received_lsn: Gauge::default(),
             confirmed_lsn: Gauge::default(),
             retained_wal_bytes: Gauge::default(),
+            safe_wal_bytes: Gauge::default(),
             lag_seconds: Gauge::default(),
             reconnects: Family::default(),
             blocked: Gauge::default(),
             streaming: Gauge::default(),
+            slot_recoveries: Counter::default(),
             registry: Arc::new(Registry::default()),
         };
         r.register(names::EVENTS, "Outbox events by outcome", m.events.clone());
@@ -212,6 +222,20 @@ impl Metrics {
             "WAL retained by the slot (pg_current_wal_lsn - restart_lsn), polled",
             m.retained_wal_bytes.clone(),
         );
+        m.safe_wal_bytes.set(-1);
+        // Every label value from 0, so that the first retry or reconnect is
+        // an increase an alert can see (a series born at 1 shows none).
+        for reason in [RetryReason::returned, RetryReason::nacked] {
+            let _ = m.retries.get_or_create(&ReasonLabel { reason });
+        }
+        for target in [Target::postgres, Target::rabbitmq] {
+            let _ = m.reconnects.get_or_create(&TargetLabel { target });
+        }
+        r.register(
+            names::SAFE_WAL,
+            "WAL that may still be written before the slot is invalidated (pg_replication_slots.safe_wal_size, bounded by max_slot_wal_keep_size), polled; -1 when unlimited or not yet read",
+            m.safe_wal_bytes.clone(),
+        );
         r.register(
             names::LAG,
             "Now minus commit time of the oldest unconfirmed transaction; 0 when idle",
@@ -231,6 +255,11 @@ impl Metrics {
             names::STREAMING,
             "1 while streaming from the slot with the broker connected",
             m.streaming.clone(),
+        );
+        r.register(
+            names::SLOT_RECOVERIES,
+            "Lost replication slots recreated, and their outbox rows re-published, by run (postgres.on_slot_lost = \"recover\")",
+            m.slot_recoveries.clone(),
         );
         Metrics {
             registry: Arc::new(r),
@@ -274,6 +303,10 @@ mod tests {
             "outbox_relay_confirmed_lsn 42",
             "outbox_relay_reconnects_total{target=\"rabbitmq\"} 1",
             "outbox_relay_confirm_latency_seconds_bucket",
+            "outbox_relay_slot_recoveries_total 0",
+            "outbox_relay_slot_safe_wal_bytes -1",
+            "outbox_relay_retries_total{reason=\"nacked\"} 0",
+            "outbox_relay_reconnects_total{target=\"postgres\"} 0",
         ] {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }

@@ -4,15 +4,19 @@
 //! first change of a table in a session, and again whenever its definition
 //! changes (e.g. after `ALTER TABLE outbox ADD COLUMN`). Columns are looked up
 //! by name in the newest Relation, so added, dropped or reordered columns are
-//! followed without a restart. Only INSERTs into the configured outbox table
-//! become events; every other change is ignored.
+//! followed without a restart. Only INSERTs into the configured outbox tables
+//! become events, and transactional logical messages with a configured
+//! prefix (the table-less outbox, [`emitted`]); every other change is
+//! ignored.
+
+pub mod emitted;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::config::{OutboxColumns, OutboxConfig, RabbitmqConfig, TableName};
+use crate::config::OutboxConfig;
 use crate::lsn::Lsn;
 use crate::pgoutput::{Column, ColumnValue, LogicalMessage, Relation, TupleData};
 use crate::template::{Part, Template};
@@ -103,6 +107,16 @@ pub enum MappingError {
         /// Config key that names it.
         key: String,
     },
+    /// A table-less outbox's logical message is not a JSON object.
+    #[error("logical message with prefix {prefix:?} (outbox {key}): {reason}")]
+    Message {
+        /// The message prefix.
+        prefix: String,
+        /// The outbox's config key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The payload column's type is not json, jsonb, text, varchar or bytea.
     #[error(
         "outbox table {table}: payload column {column:?} has unsupported type oid {type_oid}; use jsonb, json, text, varchar or bytea"
@@ -119,11 +133,8 @@ pub enum MappingError {
 
 impl Mapping {
     /// Finds the configured columns in `rel`.
-    pub fn new(
-        rel: &Relation,
-        cols: &OutboxColumns,
-        rabbitmq: &RabbitmqConfig,
-    ) -> Result<Mapping, MappingError> {
+    pub fn new(rel: &Relation, outbox: &OutboxConfig) -> Result<Mapping, MappingError> {
+        let cols = &outbox.columns;
         let table = format!("{}.{}", rel.namespace, rel.name);
         let find = |column: &str, key: &str| -> Result<usize, MappingError> {
             find_column(&rel.columns, column).ok_or_else(|| MappingError::MissingColumn {
@@ -132,7 +143,8 @@ impl Mapping {
                 key: key.to_owned(),
             })
         };
-        let payload = find(&cols.payload, "outbox.payload")?;
+        let key = |field: &str| outbox.key_of(field);
+        let payload = find(&cols.payload, &key("payload"))?;
         let payload_type = rel.columns[payload].type_oid;
         let payload_kind =
             PayloadKind::of_type(payload_type).ok_or_else(|| MappingError::PayloadType {
@@ -156,15 +168,15 @@ impl Mapping {
                 .collect()
         };
         Ok(Mapping {
-            id: find(&cols.id, "outbox.id")?,
-            aggregate_type: find(&cols.aggregate_type, "outbox.aggregate_type")?,
-            aggregate_id: find(&cols.aggregate_id, "outbox.aggregate_id")?,
-            event_type: find(&cols.event_type, "outbox.event_type")?,
+            id: find(&cols.id, &key("id"))?,
+            aggregate_type: find(&cols.aggregate_type, &key("aggregate_type"))?,
+            aggregate_id: find(&cols.aggregate_id, &key("aggregate_id"))?,
+            event_type: find(&cols.event_type, &key("event_type"))?,
             payload,
             payload_kind,
             headers: find_column(&rel.columns, &cols.headers),
-            exchange: resolve(&rabbitmq.exchange, "rabbitmq.exchange")?,
-            routing_key: resolve(&rabbitmq.routing_key, "rabbitmq.routing_key")?,
+            exchange: resolve(&outbox.exchange, &outbox.template_keys.0)?,
+            routing_key: resolve(&outbox.routing_key, &outbox.template_keys.1)?,
         })
     }
 }
@@ -183,6 +195,8 @@ pub struct OutboxEvent {
     pub mapping: Result<Arc<Mapping>, MappingError>,
     /// Commit time of its transaction, microseconds since the Unix epoch.
     pub commit_time_us: i64,
+    /// Which outbox it came from: its index in `Config::outboxes`.
+    pub outbox: usize,
 }
 
 impl OutboxEvent {
@@ -225,8 +239,8 @@ pub enum StreamError {
     /// A change outside BEGIN/COMMIT.
     #[error("pgoutput change outside a transaction")]
     OutsideTransaction,
-    /// An INSERT into a table that is neither the outbox nor one of its
-    /// partitions: the publication publishes more than the outbox. Never
+    /// An INSERT into a table that is neither an outbox nor one of its
+    /// partitions: the publication publishes more than the outboxes. Never
     /// skipped, since the slot would move past it.
     #[error(
         "INSERT into {table} (relation {oid}), which is not the outbox table {outbox} nor one of \
@@ -244,7 +258,7 @@ pub enum StreamError {
         table: String,
         /// Its relation id.
         oid: u32,
-        /// The configured outbox table.
+        /// The configured outbox tables.
         outbox: String,
     },
 }
@@ -260,16 +274,20 @@ pub struct OutboxOids {
     pub partitions: Vec<u32>,
 }
 
+/// A relation's mapping, or why it has none.
+pub type MappingResult = Result<Arc<Mapping>, MappingError>;
+
 /// The relation cache and the transaction state of one replication session.
 #[derive(Debug)]
 pub struct OutboxDecoder {
-    table: TableName,
-    columns: OutboxColumns,
-    rabbitmq: RabbitmqConfig,
-    /// Which relation ids are the outbox.
-    oids: OutboxOids,
-    /// Relation id -> mapping when it is the outbox table, else its name.
-    relations: HashMap<u32, Result<Result<Arc<Mapping>, MappingError>, String>>,
+    outboxes: Vec<OutboxConfig>,
+    /// Which relation ids are each table outbox (`None`: a table-less one).
+    oids: Vec<Option<OutboxOids>>,
+    /// Relation id -> (outbox, mapping) when it is an outbox table, else its
+    /// name.
+    relations: HashMap<u32, Result<(usize, MappingResult), String>>,
+    /// The table-less outboxes, by prefix.
+    messages: emitted::Prefixes,
     /// Commit time of the open transaction (µs since the Unix epoch).
     open_tx: Option<i64>,
     /// Its xid and commit LSN, when known.
@@ -282,12 +300,13 @@ pub const PG_EPOCH_OFFSET_US: i64 = 946_684_800_000_000;
 impl OutboxDecoder {
     /// A decoder for a new session: the relation cache starts empty, as the
     /// server re-sends Relation messages on every new stream.
-    pub fn new(outbox: &OutboxConfig, rabbitmq: &RabbitmqConfig, oids: OutboxOids) -> Self {
+    /// `oids`: for each of `outboxes`, its relation ids (`None` for a
+    /// table-less outbox).
+    pub fn new(outboxes: &[OutboxConfig], oids: Vec<Option<OutboxOids>>) -> Self {
         OutboxDecoder {
+            messages: emitted::Prefixes::new(outboxes),
+            outboxes: outboxes.to_vec(),
             oids,
-            table: outbox.table.clone(),
-            columns: outbox.columns.clone(),
-            rabbitmq: rabbitmq.clone(),
             relations: HashMap::new(),
             open_tx: None,
             open_xid: None,
@@ -299,18 +318,38 @@ impl OutboxDecoder {
     /// partitions), or by the name it had when the change was written
     /// (pgoutput names relations as of the WAL being decoded, so rows
     /// written before a rename or a re-creation still count).
-    fn is_outbox(&self, rel: &Relation) -> bool {
-        let by_name = rel.namespace == self.table.schema && rel.name == self.table.name;
-        let by_oid = rel.id == self.oids.root || self.oids.partitions.contains(&rel.id);
-        if by_oid && !by_name && rel.id == self.oids.root {
-            tracing::warn!(
-                table = %format!("{}.{}", rel.namespace, rel.name),
-                configured = %self.table,
-                "the outbox table was renamed; following it by its relation id (update outbox.table \
-                 before the next restart)"
-            );
+    fn which_outbox(&self, rel: &Relation) -> Option<usize> {
+        let tables = self.outboxes.iter().enumerate();
+        let tables = tables.filter_map(|(i, o)| Some((i, o, o.table()?, self.oids[i].as_ref())));
+        let mut by_oid = None;
+        for (i, o, table, oids) in tables {
+            if rel.namespace == table.schema && rel.name == table.name {
+                return Some(i);
+            }
+            if oids.is_some_and(|x| rel.id == x.root || x.partitions.contains(&rel.id)) {
+                if oids.is_some_and(|x| x.root == rel.id) {
+                    tracing::warn!(
+                        table = %format!("{}.{}", rel.namespace, rel.name),
+                        configured = %table,
+                        "the outbox table was renamed; following it by its relation id (update \
+                         {} before the next restart)",
+                        o.key_of("table")
+                    );
+                }
+                by_oid = by_oid.or(Some(i));
+            }
         }
-        by_name || by_oid
+        by_oid
+    }
+
+    /// The configured outbox tables, for messages.
+    fn tables(&self) -> String {
+        let names: Vec<String> = self
+            .outboxes
+            .iter()
+            .filter_map(|o| o.table().map(|t| t.to_string()))
+            .collect();
+        names.join(", ")
     }
 
     /// BEGIN, with the commit time in PostgreSQL's epoch as pgoutput sends it.
@@ -335,12 +374,12 @@ impl OutboxDecoder {
     pub fn decode(&mut self, data: Bytes) -> Result<Decoded, StreamError> {
         match crate::pgoutput::decode(data)? {
             LogicalMessage::Relation(rel) => {
-                let entry = if self.is_outbox(&rel) {
-                    let mapping = Mapping::new(&rel, &self.columns, &self.rabbitmq).map(Arc::new);
+                let entry = if let Some(i) = self.which_outbox(&rel) {
+                    let mapping = Mapping::new(&rel, &self.outboxes[i]).map(Arc::new);
                     if let Err(e) = &mapping {
                         tracing::error!(error = %e, "outbox relation does not match the configuration");
                     }
-                    Ok(mapping)
+                    Ok((i, mapping))
                 } else {
                     Err(format!("{}.{}", rel.namespace, rel.name))
                 };
@@ -354,24 +393,25 @@ impl OutboxDecoder {
                     Some(Err(table)) => Err(StreamError::ForeignRelation {
                         table: table.clone(),
                         oid: ins.relation_id,
-                        outbox: self.table.to_string(),
+                        outbox: self.tables(),
                         tx: match self.open_xid {
                             Some((xid, lsn)) => format!(
                                 "transaction {xid}, committed at {lsn}: to skip it, advance the \
                                  slot past it (SELECT pg_replication_slot_advance('<slot>', \
                                  '{}')), then re-publish its outbox rows, if any (SELECT \
-                                 id FROM {} WHERE xmin = '{xid}'), with `outbox-relay \
-                                 republish --id`",
+                                 id FROM <outbox table> WHERE xmin = '{xid}', for each of {}), \
+                                 with `outbox-relay republish --id`",
                                 Lsn(lsn.0 + 1),
-                                self.table
+                                self.tables()
                             ),
                             None => "an unknown transaction".to_owned(),
                         },
                     }),
-                    Some(Ok(mapping)) => Ok(Decoded::Event(OutboxEvent {
+                    Some(Ok((outbox, mapping))) => Ok(Decoded::Event(OutboxEvent {
                         tuple: ins.tuple,
                         mapping: mapping.clone(),
                         commit_time_us,
+                        outbox: *outbox,
                     })),
                 }
             }
@@ -383,12 +423,44 @@ impl OutboxDecoder {
                 self.commit();
                 Ok(Decoded::Nothing)
             }
+            LogicalMessage::Message(m) => self.message(m.flags & 1 == 1, &m.prefix, m.content),
             LogicalMessage::Origin(_)
             | LogicalMessage::Type(_)
             | LogicalMessage::Update(_)
             | LogicalMessage::Delete(_)
-            | LogicalMessage::Truncate(_)
-            | LogicalMessage::Message(_) => Ok(Decoded::Nothing),
+            | LogicalMessage::Truncate(_) => Ok(Decoded::Nothing),
         }
+    }
+
+    /// A logical message (`pg_logical_emit_message`): an event when its
+    /// prefix is a table-less outbox's and it is transactional.
+    pub fn message(
+        &mut self,
+        transactional: bool,
+        prefix: &str,
+        content: Bytes,
+    ) -> Result<Decoded, StreamError> {
+        let Some(emitted) = self.messages.get(prefix) else {
+            return Ok(Decoded::Nothing);
+        };
+        if !transactional {
+            // Sent at once, outside any transaction: it may belong to one
+            // that later rolled back, and it has no commit to order it by.
+            tracing::warn!(
+                prefix,
+                "skipping a non-transactional logical message with an outbox prefix; emit outbox \
+                 events with pg_logical_emit_message(true, ...)"
+            );
+            return Ok(Decoded::Nothing);
+        }
+        let commit_time_us = self.open_tx.ok_or(StreamError::OutsideTransaction)?;
+        let outbox = emitted.outbox;
+        let (tuple, mapping) = emitted::row(&self.outboxes[outbox], emitted, content);
+        Ok(Decoded::Event(OutboxEvent {
+            tuple,
+            mapping,
+            commit_time_us,
+            outbox,
+        }))
     }
 }

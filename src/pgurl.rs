@@ -1,15 +1,18 @@
 //! `postgres://` URLs: libpq's TLS parameters that tokio-postgres does not
-//! know, and the one server that both PostgreSQL connections reach.
+//! know, and the servers that both PostgreSQL connections may reach.
 //!
 //! The SQL connection (tokio-postgres) and the replication connection
 //! (pgwire-replication) are opened by two libraries that read a URL
-//! differently: tokio-postgres honours `hostaddr` and refuses a URL without
-//! a host, pgwire-replication knows neither. So the URL is read once, here,
-//! into a [`PgTarget`], and both connections are opened to that target: the
-//! password is only ever sent to the server the SQL connection reaches.
-//! Forms that cannot mean the same server for both (several hosts, no host,
-//! a `hostaddr` beside a socket directory) are refused when the
-//! configuration is loaded.
+//! differently: tokio-postgres honours `hostaddr`, host lists and
+//! `target_session_attrs` and refuses a URL without a host,
+//! pgwire-replication knows none of them. So the URL is read once, here,
+//! into [`PgTarget`]s. The SQL connection goes to the first that answers
+//! (and is the primary, with `target_session_attrs=read-write`); the
+//! replication connection then tries them in the same order and opens only
+//! on the same cluster and timeline, and on the primary when asked (see
+//! `source::start_replication`). Forms that cannot mean the same server for
+//! both (no host, a `hostaddr` beside a socket directory, load balancing)
+//! are refused when the configuration is loaded.
 
 use std::path::PathBuf;
 
@@ -115,44 +118,83 @@ pub enum PgTarget {
     },
 }
 
+impl std::fmt::Display for PgTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PgTarget::Tcp { name, port, .. } if name.contains(':') => write!(f, "[{name}]:{port}"),
+            PgTarget::Tcp { name, port, .. } => write!(f, "{name}:{port}"),
+            PgTarget::Unix { dir, port } => write!(f, "{}:{port}", dir.display()),
+        }
+    }
+}
+
 impl PgTarget {
     /// Reads the target of a parsed URL; the message says which form is not
     /// supported and why (the caller names `postgres.url`).
     pub fn of(pg: &tokio_postgres::Config) -> Result<PgTarget, String> {
+        let mut all = PgTarget::all(pg)?;
+        if all.len() > 1 {
+            return Err(format!("lists {} hosts where one is wanted", all.len()));
+        }
+        Ok(all.remove(0))
+    }
+
+    /// The servers of a parsed URL, in order, as libpq reads a list:
+    /// `h1:5432,h2:5433`, one port for all or one each, and as many
+    /// `hostaddr`s as hosts if any. The message says which form is not
+    /// supported and why (the caller names `postgres.url`).
+    pub fn all(pg: &tokio_postgres::Config) -> Result<Vec<PgTarget>, String> {
         let hosts = pg.get_hosts();
         let addrs = pg.get_hostaddrs();
         let ports = pg.get_ports();
-        if hosts.len() > 1 || addrs.len() > 1 || ports.len() > 1 {
+        if (addrs.len() > 1 || !addrs.is_empty() && hosts.len() > 1) && addrs.len() != hosts.len() {
             return Err(format!(
-                "lists {} hosts, {} hostaddrs and {} ports; the replication connection reaches \
-                 one server: give exactly one host (and at most one hostaddr and port)",
+                "lists {} hosts and {} hostaddrs; give one hostaddr per host, or none",
                 hosts.len(),
-                addrs.len(),
+                addrs.len()
+            ));
+        }
+        if ports.len() > 1 && ports.len() != hosts.len() {
+            return Err(format!(
+                "lists {} hosts and {} ports; give one port for all, or one per host",
+                hosts.len(),
                 ports.len()
             ));
         }
-        let port = ports.first().copied().unwrap_or(5432);
         let no_host = |h: &Host| matches!(h, Host::Tcp(name) if name.is_empty());
-        match (hosts.first().filter(|h| !no_host(h)), addrs.first()) {
-            (None, _) => Err(
+        if hosts.is_empty() || hosts.iter().any(no_host) {
+            return Err(
                 "names no host (write it after @, e.g. postgres://user@db.example:5432/app, or \
                  host=/var/run/postgresql for a Unix socket); without one the two connections \
                  could reach different servers"
                     .to_owned(),
-            ),
-            (Some(Host::Unix(_)), Some(_)) => {
-                Err("gives hostaddr beside a Unix-socket host; use one or the other".to_owned())
-            }
-            (Some(Host::Unix(dir)), None) => Ok(PgTarget::Unix {
-                dir: dir.clone(),
-                port,
-            }),
-            (Some(Host::Tcp(name)), addr) => Ok(PgTarget::Tcp {
-                name: name.clone(),
-                addr: addr.map_or_else(|| name.clone(), |a| a.to_string()),
-                port,
-            }),
+            );
         }
+        hosts
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let port = ports
+                    .get(i)
+                    .or_else(|| ports.first())
+                    .copied()
+                    .unwrap_or(5432);
+                match (host, addrs.get(i)) {
+                    (Host::Unix(_), Some(_)) => Err(
+                        "gives hostaddr beside a Unix-socket host; use one or the other".to_owned(),
+                    ),
+                    (Host::Unix(dir), None) => Ok(PgTarget::Unix {
+                        dir: dir.clone(),
+                        port,
+                    }),
+                    (Host::Tcp(name), addr) => Ok(PgTarget::Tcp {
+                        name: name.clone(),
+                        addr: addr.map_or_else(|| name.clone(), |a| a.to_string()),
+                        port,
+                    }),
+                }
+            })
+            .collect()
     }
 
     /// Refuses connection parameters that tokio-postgres honours on the SQL
@@ -169,10 +211,13 @@ impl PgTarget {
                     .to_owned(),
             );
         }
-        if pg.get_target_session_attrs() != TargetSessionAttrs::Any {
+        if !matches!(
+            pg.get_target_session_attrs(),
+            TargetSessionAttrs::Any | TargetSessionAttrs::ReadWrite
+        ) {
             return Err(
-                "sets target_session_attrs, which the replication connection does not \
-                 honour yet; remove it"
+                "sets target_session_attrs to a value the relay does not honour; it \
+                 needs the primary: use read-write (or leave it out)"
                     .to_owned(),
             );
         }
@@ -267,9 +312,8 @@ mod tests {
             "postgres:///app",
             "postgres://u:p@:5432/app",
             "postgres://u@/app?hostaddr=127.0.0.1",
-            "postgres://u@h1,h2/app",
-            "postgres://u@h1:5432,h2:5433/app",
             "postgres://u@h/app?hostaddr=127.0.0.1,127.0.0.2",
+            "postgres://u@h1,h2,h3/app?port=1,2",
             "postgres://u@%2Ftmp/app?hostaddr=127.0.0.1",
         ] {
             assert!(t(bad).is_err(), "{bad} was accepted");
@@ -278,7 +322,7 @@ mod tests {
         for (q, refused) in [
             ("channel_binding=require", true),
             ("channel_binding=prefer", false),
-            ("target_session_attrs=read-write", true),
+            ("target_session_attrs=read-write", false),
             ("target_session_attrs=any", false),
             ("load_balance_hosts=random", true),
             ("sslnegotiation=direct", true),
@@ -288,5 +332,22 @@ mod tests {
             assert_eq!(PgTarget::check_parameters(&pg).is_err(), refused, "{q}");
         }
         assert!(t("postgres://u@h1,h2/app").unwrap_err().contains("2 hosts"));
+        let all = |u: &str| {
+            let pg: tokio_postgres::Config = u.parse().unwrap();
+            PgTarget::all(&pg)
+        };
+        let tcp = |name: &str, port| PgTarget::Tcp {
+            name: name.into(),
+            addr: name.into(),
+            port,
+        };
+        assert_eq!(
+            all("postgres://u@h1:5432,h2:5433/app?target_session_attrs=read-write"),
+            Ok(vec![tcp("h1", 5432), tcp("h2", 5433)])
+        );
+        assert_eq!(
+            all("postgres://u@h1,h2/app"),
+            Ok(vec![tcp("h1", 5432), tcp("h2", 5432)])
+        );
     }
 }

@@ -25,76 +25,26 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::checkpoint::CheckpointError;
+use crate::checkpoint::Progress;
 use crate::config::Config;
 use crate::lsn::Lsn;
-use crate::message::RenderError;
-use crate::metrics::{Metrics, Target, TargetLabel};
+use crate::metrics::{Metrics, TargetLabel};
 use crate::outbox::{Decoded, OutboxDecoder, OutboxOids, PG_EPOCH_OFFSET_US};
 use crate::sink::budget::ByteBudget;
-use crate::sink::publisher::{self, Progress, SinkItem};
-use crate::sink::publisher::{Head, Refusals};
-use crate::sink::replies::Disposition;
+use crate::sink::nodes::Nodes;
+use crate::sink::publisher::{self, SinkItem};
+use crate::sink::refusals::{Refusals, learn};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
 use crate::source::longest_tx::LongestTx;
+use crate::source::resume;
 use crate::source::silence::{self, Silence, Silent};
 use crate::source::{SourceError, connect_sql, slot, slot::usable_slot, start_replication};
 
-/// Why the relay stopped, or why a session ended.
-#[derive(Debug, thiserror::Error)]
-pub enum RelayError {
-    /// PostgreSQL side.
-    #[error(transparent)]
-    Source(#[from] SourceError),
-    /// Broker side.
-    #[error(transparent)]
-    Sink(#[from] SinkError),
-    /// A row that cannot become a message, and no dead-letter exchange.
-    #[error(
-        "undeliverable event: {0}; set rabbitmq.dead_letter_exchange to dead-letter such events instead of stopping"
-    )]
-    Render(#[from] RenderError),
-    /// An event the broker will never take, and no dead-letter exchange.
-    #[error(
-        "undeliverable event {id}: {reason}; set rabbitmq.dead_letter_exchange to dead-letter such events instead of stopping"
-    )]
-    Undeliverable {
-        /// Event id.
-        id: String,
-        /// Why.
-        reason: String,
-    },
-    /// A command was stopped (SIGINT/SIGTERM) before it finished.
-    #[error("{0}")]
-    Interrupted(String),
-    /// The stream broke BEGIN/COMMIT order.
-    #[error("replication stream out of order: {0}")]
-    Order(#[from] CheckpointError),
-}
+pub use crate::error::RelayError;
 
-impl RelayError {
-    /// The one place that decides: retry with backoff, or stop and tell the
-    /// operator.
-    pub fn is_transient(&self) -> bool {
-        match self {
-            RelayError::Source(e) => e.is_transient(),
-            RelayError::Sink(e) => e.is_transient(),
-            RelayError::Render(_)
-            | RelayError::Undeliverable { .. }
-            | RelayError::Interrupted(_) => false,
-            // A broken stream is re-read from the slot by a new session.
-            RelayError::Order(_) => true,
-        }
-    }
-
-    fn target(&self) -> Target {
-        match self {
-            RelayError::Sink(_) => Target::rabbitmq,
-            _ => Target::postgres,
-        }
-    }
-}
+mod side;
+use side::{liveness, side_tasks};
 
 /// Items buffered between the loops; with their byte budget
 /// ([`ByteBudget`]), the confirm window (count and bytes) and the
@@ -113,12 +63,6 @@ const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
 const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
 /// The checkpoint table is written at most this often.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
-/// 404s for one exchange name before the relay stops instead of starting
-/// another session that would dead-letter its events.
-const MISSING_EXCHANGE_STRIKES: u32 = 3;
-/// Sessions the broker ends while the same event is the oldest unconfirmed
-/// one (published alone) before that event is dead-lettered.
-const HEAD_STRIKES: u32 = 3;
 /// Deadline of each SQL call beside the stream.
 const SQL_DEADLINE: Duration = Duration::from_secs(10);
 /// Retained WAL is polled this often for the metric.
@@ -136,7 +80,7 @@ pub async fn run(
     let mut busy_logged: Option<Instant> = None;
     // The outbox as this process has known it: a RENAME followed by its
     // relation id stays followed across reconnects.
-    let mut known: Option<OutboxOids> = None;
+    let mut known: Vec<Option<OutboxOids>> = vec![None; cfg.outboxes.len()];
     // What the broker refused in earlier sessions (see sink::replies).
     let mut refusals = Refusals::default();
     // Sessions ended by each refusal (an exchange name, a body limit, an
@@ -145,6 +89,11 @@ pub async fn run(
     // Outlives sessions: an open transaction is timed from when it was
     // first seen, whatever reconnects happen meanwhile.
     let longest = Arc::new(tokio::sync::Mutex::new(LongestTx::default()));
+    // The last position confirmed, and on which server: the next session
+    // starts there if the slot lags behind it (see source::resume).
+    let mut last: Option<resume::Confirmed> = None;
+    // The broker nodes, tried from after the one whose session failed.
+    let mut nodes = Nodes::new(&cfg.rabbitmq);
     loop {
         let mut progressed = false;
         let r = session(
@@ -152,7 +101,8 @@ pub async fn run(
             &shutdown,
             metrics,
             &mut progressed,
-            (&mut known, &mut refusals, &longest),
+            (&mut known, &mut refusals, &longest, &mut last),
+            &mut nodes,
         )
         .await;
         let head = refusals.head.lock().expect("not poisoned").take();
@@ -161,7 +111,7 @@ pub async fn run(
         }
         let r = match r {
             Err(RelayError::Sink(e)) => match learn(cfg, &e, head, &mut refusals, &mut strikes) {
-                Some(stop) => Err(stop),
+                Some(stop) => Err(stop.into()),
                 None => Err(RelayError::Sink(e)),
             },
             other => other,
@@ -210,91 +160,6 @@ pub async fn run(
     }
 }
 
-/// A session failed with `e`; `head` was its oldest unconfirmed event.
-/// Learns what the next session must route around (see
-/// [`crate::sink::replies`]), or returns the error that stops the relay.
-pub(crate) fn learn(
-    cfg: &Config,
-    e: &SinkError,
-    head: Option<Head>,
-    refusals: &mut Refusals,
-    strikes: &mut std::collections::HashMap<String, u32>,
-) -> Option<RelayError> {
-    let dlx = cfg.rabbitmq.dead_letter_exchange.as_deref();
-    let mut strike = |key: String| {
-        let n = strikes.entry(key).or_default();
-        *n += 1;
-        *n
-    };
-    match e.disposition() {
-        Disposition::MissingExchange(exchange) => {
-            let n = strike(format!("exchange {exchange}"));
-            if dlx == Some(exchange.as_str())
-                || cfg.rabbitmq.exchange.as_literal().is_some()
-                || dlx.is_none()
-                || n > MISSING_EXCHANGE_STRIKES
-            {
-                // Nothing to dead-letter to, or no template at all: the
-                // operator must declare it.
-                return Some(RelayError::Sink(SinkError::NoExchange(exchange)));
-            }
-            warn!(%exchange, "the broker has no such exchange; its events will be dead-lettered");
-            refusals.missing.insert(exchange);
-        }
-        Disposition::BodyLimit(limit) => {
-            let n = strike(format!("body limit {limit}"));
-            if dlx.is_none() || n > MISSING_EXCHANGE_STRIKES {
-                return Some(RelayError::Undeliverable {
-                    id: head.map_or_else(|| "?".into(), |h| h.id),
-                    reason: format!(
-                        "the broker refuses bodies over {limit} bytes (its max_message_size); \
-                         set rabbitmq.max_message_bytes to at most {limit}"
-                    ),
-                });
-            }
-            warn!(
-                limit,
-                "the broker refuses larger bodies; they will be dead-lettered without the body"
-            );
-            refusals.max_body = Some(limit);
-        }
-        Disposition::HeadOfWindow => {
-            let head = head?;
-            // Replay one message at a time past where this session got, so
-            // the message that draws the refusal is alone when it comes
-            // again (the replay starts at or before this session's start).
-            refusals.careful_for = refusals
-                .careful_for
-                .max(head.sent + cfg.rabbitmq.window as u64);
-            // Only a message published alone is surely the one.
-            let Head {
-                id, alone: true, ..
-            } = head
-            else {
-                return None;
-            };
-            let n = strike(format!("event {id}"));
-            if n > 2 * HEAD_STRIKES {
-                // Its bare dead letter is refused too.
-                return Some(RelayError::Undeliverable {
-                    id,
-                    reason: format!("the broker keeps refusing it, even as a dead letter: {e}"),
-                });
-            }
-            if n >= HEAD_STRIKES {
-                let reason = format!(
-                    "the broker ended {n} sessions while this was the oldest unconfirmed \
-                     message, last with: {e}"
-                );
-                warn!(event_id = %id, %reason, "giving up on the event");
-                refusals.poison.insert(id, reason);
-            }
-        }
-        Disposition::Transient | Disposition::Stop => {}
-    }
-    None
-}
-
 /// Capped exponential backoff with jitter (half fixed, half random), so a
 /// fleet of relays does not reconnect in lockstep.
 pub fn backoff(attempt: u32) -> Duration {
@@ -304,40 +169,95 @@ pub fn backoff(attempt: u32) -> Duration {
     half + half.mul_f64(rand::random_range(0.0..1.0))
 }
 
+/// Each outbox's relation ids as this process has known them.
+type Known = Vec<Option<OutboxOids>>;
+
 async fn session(
     cfg: &Config,
     shutdown: &CancellationToken,
     metrics: &Metrics,
     progressed: &mut bool,
-    (known, refusals, longest): (
-        &mut Option<OutboxOids>,
+    (known, refusals, longest, last): (
+        &mut Known,
         &mut Refusals,
         &Arc<tokio::sync::Mutex<LongestTx>>,
+        &mut Option<resume::Confirmed>,
     ),
+    nodes: &mut Nodes,
 ) -> Result<Option<Lsn>, RelayError> {
     // Connecting can take a while (each step has its deadline): a stop asked
     // for meanwhile ends it at once, with nothing in flight.
     let connect = async {
         let sql = Arc::new(connect_sql(&cfg.postgres).await?);
-        let start = bounded("reading the slot", usable_slot(&sql, cfg)).await?;
-        let oids = bounded(
-            "looking up the outbox table",
-            slot::outbox_oids(&sql, cfg, known.as_ref()),
+        // First: a standby (reached through an address that moved, while a
+        // failover is under way) fails here, and is retried; its missing
+        // slot is not taken for a lost one.
+        let server = bounded(
+            "identifying the server",
+            resume::server(&sql, &cfg.postgres),
         )
         .await?;
+        let slot_lsn = bounded("reading the slot", usable_slot(&sql, cfg)).await?;
+        // A recovery under way (another relay re-publishing after a
+        // failover): its rows first, then the stream.
+        let pending = checkpoint_table::pending_recovery(&sql, cfg);
+        if bounded("reading the checkpoint", pending).await?.is_some() {
+            return Err(SourceError::RecoveryPending(cfg.postgres.slot.clone()).into());
+        }
+        // A checkpoint that cannot be read only costs replays.
+        let checkpoint =
+            match bounded("reading the checkpoint", checkpoint_table::read(&sql, cfg)).await {
+                Ok(c) => c,
+                Err(e) => {
+                    debug!(error = %e, "cannot read the checkpoint");
+                    None
+                }
+            };
+        let checkpoint = checkpoint.and_then(|c| {
+            let lsn = c.confirmed_lsn.parse::<Lsn>().ok()?;
+            Some((c.system_identifier, lsn))
+        });
+        let (start, origin) = resume::choose(
+            slot_lsn,
+            &server,
+            checkpoint.as_ref().map(|(id, lsn)| (id.as_deref(), *lsn)),
+            last.as_ref(),
+        );
+        // A position from another server or timeline, or past this end of
+        // WAL (a disk rolled back), never applies again: forget it, so that
+        // WAL written later cannot make it look plausible.
+        if last
+            .as_ref()
+            .is_some_and(|c| !resume::still_applies(c, &server))
+        {
+            warn!(
+                "forgetting the last session's position: the server is not the one it was confirmed on"
+            );
+            *last = None;
+        }
+        if origin != resume::Origin::Slot {
+            info!(slot_lsn = %slot_lsn, lsn = %start, from = origin.as_str(), "resuming past the slot's confirmed position");
+        }
+        let mut oids = Vec::with_capacity(cfg.outboxes.len());
+        for (outbox, known) in cfg.outboxes.iter().zip(known.iter()) {
+            let found = slot::outbox_oids(&sql, cfg, outbox, known.as_ref());
+            oids.push(bounded("looking up the outbox table", found).await?);
+        }
+        slot::check_overlap(cfg, &oids)?;
         bounded(
             "reading the publication",
             slot::require_publication(&sql, cfg, &oids),
         )
         .await?;
-        *known = Some(oids.clone());
+        known.clone_from(&oids);
         let silence_limit = bounded(
             "reading wal_sender_timeout",
             silence::limit(&sql, &cfg.postgres),
         )
         .await?;
-        let mut sink = AmqpSink::connect(&cfg.rabbitmq).await?;
-        info!("connected to RabbitMQ");
+        let name = format!("outbox-relay (slot {})", cfg.postgres.slot);
+        let mut sink = AmqpSink::connect(&cfg.rabbitmq, &name, nodes).await?;
+        nodes.reached(sink.node());
         // An exchange declared since it was found missing is used again.
         for exchange in refusals.missing.clone() {
             match sink.check_exchange(&exchange).await {
@@ -352,10 +272,11 @@ async fn session(
         // Last, so that a broker that is down costs no walsender. (Its
         // connect has a deadline; an AMQP heartbeat interval above a few
         // seconds outlasts it.)
-        let repl = start_replication(&cfg.postgres, start, REPLICATION_BUFFER).await?;
-        Ok::<_, RelayError>((sql, start, oids, silence_limit, sink, repl))
+        let repl =
+            start_replication(&cfg.postgres, start, Some(&server), REPLICATION_BUFFER).await?;
+        Ok::<_, RelayError>((sql, start, server, oids, silence_limit, sink, repl))
     };
-    let (sql, start, oids, silence_limit, mut sink, mut repl) = tokio::select! {
+    let (sql, start, server, oids, silence_limit, mut sink, mut repl) = tokio::select! {
         biased;
         _ = shutdown.cancelled() => {
             info!("stopped while connecting");
@@ -374,7 +295,8 @@ async fn session(
         lsn: start,
         commit_time_us: None,
     });
-    let mut decoder = OutboxDecoder::new(&cfg.outbox, &cfg.rabbitmq, oids);
+    let mut decoder = OutboxDecoder::new(&cfg.outboxes, oids);
+    let dead_letters = cfg.dead_letters();
 
     // Side tasks on the SQL connection; they end with the session.
     let (probe, alive) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
@@ -387,7 +309,7 @@ async fn session(
     ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
-        (sql, longest.clone()),
+        (sql, longest.clone(), server.system_id.clone()),
         wm_rx.clone(),
         metrics.clone(),
         stop.clone(),
@@ -407,21 +329,30 @@ async fn session(
             &mut sink,
             items_rx,
             &wm_tx,
-            (&cfg.rabbitmq, &*refusals, &budget),
+            (&cfg.rabbitmq, &dead_letters, &*refusals, &budget),
             start,
             metrics,
             &stop,
         )
-        .await;
+        .await
+        .map_err(RelayError::from);
         // Whatever ends the sink ends the session: stop reading WAL.
         stop.cancel();
         r
     };
     let (source_res, sink_res) = tokio::join!(source, sink_loop);
     metrics.streaming.set(0);
+    if sink_res.is_err() && !shutdown.is_cancelled() {
+        nodes.failed(sink.node());
+    }
 
     let confirmed = wm_rx.borrow().lsn;
     *progressed = confirmed > start;
+    *last = Some(resume::Confirmed {
+        system_id: server.system_id,
+        timeline: server.timeline,
+        lsn: confirmed,
+    });
     report_final(&mut repl, confirmed, cfg.postgres.status_interval).await;
     // A broker that stopped answering would not answer a close either:
     // waiting for it would only delay the next session.
@@ -450,92 +381,6 @@ async fn session(
     Ok(Some(confirmed))
 }
 
-/// Work beside the stream that needs the SQL connection: the checkpoint
-/// table, the optional heartbeat, and the retained-WAL gauge. Failures here
-/// are logged, never fatal: the slot remains the source of truth.
-async fn side_tasks(
-    cfg: Config,
-    (sql, longest): (
-        Arc<tokio_postgres::Client>,
-        Arc<tokio::sync::Mutex<LongestTx>>,
-    ),
-    mut progress: watch::Receiver<Progress>,
-    metrics: Metrics,
-    stop: CancellationToken,
-) {
-    // Every call has a deadline: a hung server must not keep the session
-    // (which waits for these tasks) from ending.
-    let bounded = |what: &'static str| {
-        move |r: Result<Result<_, _>, tokio::time::error::Elapsed>| match r {
-            Ok(r) => r.map_err(|e: tokio_postgres::Error| e.to_string()),
-            Err(_) => Err(format!("{what} got no answer within {SQL_DEADLINE:?}")),
-        }
-    };
-    let mut heartbeat = cfg.postgres.heartbeat.map(tokio::time::interval);
-    let mut retained = tokio::time::interval(RETAINED_WAL_EVERY);
-    let mut written: Option<i64> = None;
-    let mut checkpoint_warned = false;
-    let mut longest_warned = false;
-    loop {
-        tokio::select! {
-            biased;
-            _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {
-                // Only a new durable transaction is worth a write: writing
-                // on keepalives would itself make WAL, forever.
-                let p = *progress.borrow_and_update();
-                if p.commit_time_us.is_some() && p.commit_time_us != written {
-                    let write = tokio::time::timeout(SQL_DEADLINE, checkpoint_table::write(&sql, &cfg, p));
-                    match write.await.unwrap_or_else(|_| Err(SourceError::Timeout("writing the checkpoint".into()))) {
-                        Ok(()) => written = p.commit_time_us,
-                        Err(e) if !checkpoint_warned => {
-                            warn!(error = %e, "cannot record the checkpoint (run `outbox-relay setup` to create its table); continuing");
-                            checkpoint_warned = true;
-                        }
-                        Err(e) => debug!(error = %e, "checkpoint write failed"),
-                    }
-                }
-            }
-            _ = async { heartbeat.as_mut().expect("guarded").tick().await }, if heartbeat.is_some() => {
-                // A transactional message travels the slot like a tiny
-                // transaction, so the watermark moves even when this
-                // database writes nothing at all.
-                let call = sql.execute("SELECT pg_logical_emit_message(true, 'outbox-relay-heartbeat', '')", &[]);
-                if let Err(e) = bounded("the heartbeat")(tokio::time::timeout(SQL_DEADLINE, call).await) {
-                    warn!(error = %e, "heartbeat failed");
-                }
-            }
-
-            _ = retained.tick() => {
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&cfg.postgres.slot];
-                let call = sql.query_one(
-                    "SELECT (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
-                    &params,
-                );
-                if let Ok(Ok(row)) = tokio::time::timeout(SQL_DEADLINE, call).await {
-                    metrics.retained_wal_bytes.set(row.get::<_, Option<i64>>(0).unwrap_or(0));
-                }
-                // For `recover`'s window: see source::longest_tx.
-                let mut longest = longest.lock().await;
-                if let Some(secs) = longest.sample(&sql, SQL_DEADLINE).await {
-                    let call = checkpoint_table::record_longest_tx(&sql, &cfg, secs);
-                    match tokio::time::timeout(SQL_DEADLINE, call).await {
-                        Ok(Ok(())) => debug!(secs, "longest transaction seen"),
-                        other => {
-                            longest.longest_secs = 0.0; // try again next time
-                            if !longest_warned {
-                                let e = other.map_or_else(|_| "no answer".to_owned(), |r| r.err().map(|e| e.to_string()).unwrap_or_default());
-                                warn!(error = %e, "cannot record the longest transaction (run `outbox-relay setup` to update the checkpoint table); `recover` may choose too short a window");
-                                longest_warned = true;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// `fut` within [`SQL_DEADLINE`]: a server that accepted the connection and
 /// then hangs ends the attempt (transient), not the relay.
 async fn bounded<T>(
@@ -545,47 +390,6 @@ async fn bounded<T>(
     match tokio::time::timeout(SQL_DEADLINE, fut).await {
         Ok(r) => Ok(r?),
         Err(_) => Err(SourceError::Timeout(what.to_owned()).into()),
-    }
-}
-
-/// Tells the source loop when the stream is alive though silent, on a task
-/// of its own so that no other SQL work delays it (see `source::silence`):
-/// sends the probe when asked, and signals `alive` whenever the slot's
-/// walsender has read further.
-async fn liveness(
-    cfg: Config,
-    sql: Arc<tokio_postgres::Client>,
-    limit: Duration,
-    (probe, alive): (Arc<Notify>, Arc<Notify>),
-    stop: CancellationToken,
-) {
-    let mut every = tokio::time::interval(silence::progress_every(limit));
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sent: Option<String> = None;
-    loop {
-        tokio::select! {
-            biased;
-            _ = stop.cancelled() => break,
-            _ = probe.notified() => {
-                let call = tokio::time::timeout(SQL_DEADLINE, sql.execute(silence::PROBE_SQL, &[]));
-                match call.await {
-                    Ok(Ok(_)) => debug!("replication stream silent; probe message sent"),
-                    Ok(Err(e)) => warn!(error = %e, "replication stream silent, and the probe message failed"),
-                    Err(_) => warn!("replication stream silent, and the probe message got no answer"),
-                }
-            }
-            _ = every.tick() => {
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&cfg.postgres.slot];
-                let call = sql.query_opt(silence::SENT_LSN_SQL, &params);
-                if let Ok(Ok(Some(row))) = tokio::time::timeout(SQL_DEADLINE, call).await {
-                    let now: Option<String> = row.get(0);
-                    if now.is_some() && sent.is_some() && now != sent {
-                        alive.notify_one();
-                    }
-                    sent = now;
-                }
-            }
-        }
     }
 }
 
@@ -676,9 +480,19 @@ async fn source_loop(
                     wal_end: wal_end.into(),
                 }
             }
-            Ok(Some(ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. })) => {
-                continue;
-            }
+            Ok(Some(ReplicationEvent::Message {
+                transactional,
+                prefix,
+                content,
+                ..
+            })) => match decoder
+                .message(transactional, &prefix, content)
+                .map_err(SourceError::from)?
+            {
+                Decoded::Event(ev) => SinkItem::Event(ev),
+                Decoded::Nothing => continue,
+            },
+            Ok(Some(ReplicationEvent::StoppedAt { .. })) => continue,
             Ok(None) => return Err(SourceError::Ended.into()),
             Err(source) => {
                 return Err(SourceError::Replication {
@@ -714,90 +528,6 @@ async fn source_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sink::wire::WireError;
-
-    fn config(dlx: bool) -> Config {
-        let dlx = if dlx {
-            "dead_letter_exchange = \"dlx\"\n"
-        } else {
-            ""
-        };
-        let text = format!(
-            "[postgres]\nurl = \"postgres://u@h/db\"\n[outbox]\ntable = \"public.outbox\"\n\
-             [rabbitmq]\nurl = \"amqp://h\"\nexchange = \"{{aggregate_type}}\"\nwindow = 100\n{dlx}"
-        );
-        Config::from_toml(&text, "test.toml", Vec::new()).unwrap()
-    }
-
-    fn closed(code: u16, text: &str) -> SinkError {
-        SinkError::Amqp {
-            what: "publishing",
-            url: String::new(),
-            source: WireError::ChannelClosed {
-                code,
-                text: text.into(),
-            },
-        }
-    }
-
-    fn head(id: &str, alone: bool, sent: u64) -> Option<Head> {
-        Some(Head {
-            id: id.into(),
-            alone,
-            sent,
-        })
-    }
-
-    /// A refusal blamed on a message: first the replay goes one message at
-    /// a time past where the session failed; the same message refused
-    /// alone three times is dead-lettered; its dead letter refused as well
-    /// stops the relay.
-    #[test]
-    fn a_message_the_broker_keeps_refusing_is_found_then_dead_lettered() {
-        let cfg = config(true);
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
-        let e = closed(505, "UNEXPECTED_FRAME");
-        assert!(learn(&cfg, &e, head("a", false, 700), &mut r, &mut strikes).is_none());
-        assert_eq!(r.careful_for, 800);
-        assert!(r.poison.is_empty(), "not alone: not blamed");
-        for n in 1..=3 {
-            assert!(learn(&cfg, &e, head("k", true, 5), &mut r, &mut strikes).is_none());
-            assert_eq!(r.poison.contains_key("k"), n == 3, "after {n}");
-        }
-        assert!(r.poison["k"].contains("UNEXPECTED_FRAME"));
-        assert_eq!(r.careful_for, 800, "never shrinks while failing");
-        for _ in 4..=6 {
-            assert!(learn(&cfg, &e, head("k", true, 1), &mut r, &mut strikes).is_none());
-        }
-        let stop = learn(&cfg, &e, head("k", true, 1), &mut r, &mut strikes).unwrap();
-        assert!(stop.to_string().contains("even as a dead letter"), "{stop}");
-        assert!(!stop.is_transient());
-    }
-
-    #[test]
-    fn the_brokers_body_limit_is_learnt_or_stops_without_a_dead_letter_exchange() {
-        let e = closed(
-            406,
-            "PRECONDITION_FAILED - message size 200000 is larger than configured max size 65536",
-        );
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
-        assert!(learn(&config(true), &e, head("b", false, 1), &mut r, &mut strikes).is_none());
-        assert_eq!(r.max_body, Some(65_536));
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
-        let stop = learn(
-            &config(false),
-            &e,
-            head("b", false, 1),
-            &mut r,
-            &mut strikes,
-        )
-        .unwrap();
-        let text = stop.to_string();
-        assert!(
-            text.contains("rabbitmq.max_message_bytes") && text.contains("65536"),
-            "{text}"
-        );
-    }
 
     #[test]
     fn backoff_grows_is_capped_and_jittered() {

@@ -9,7 +9,8 @@
 //!
 //! The test prints `CHAOS_SEED=<n>`; `CHAOS_SEED=<n> cargo test --test chaos`
 //! replays the same schedule (fault kinds, gaps, producer choices; the
-//! timing of the servers themselves still varies).
+//! timing of the servers themselves still varies). `CHAOS_ONLY=<fault>`
+//! (e.g. `KillRelay`) keeps only that kind of fault, to see what it costs.
 
 mod common;
 
@@ -91,12 +92,16 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
 
     // The schedule. Each fault finishes (servers back up, relay restarted)
     // before the next gap starts, so faults do not overlap.
+    let only = std::env::var("CHAOS_ONLY").ok();
     let chaos = Instant::now();
     let mut log: Vec<String> = Vec::new();
     let mut count: HashMap<Fault, usize> = HashMap::new();
     while (log.len() < MIN_FAULTS || chaos.elapsed() < CHAOS_PHASE) && chaos.elapsed() < HARD_STOP {
         tokio::time::sleep(rng.millis(1000, 3000)).await;
         let fault = FAULTS[rng.below(FAULTS.len() as u64) as usize];
+        if only.as_ref().is_some_and(|o| *o != format!("{fault:?}")) {
+            continue;
+        }
         let at = chaos.elapsed().as_secs_f64();
         let t = Instant::now();
         let done = match fault {
@@ -138,7 +143,7 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
     let chaos_secs = chaos.elapsed().as_secs_f64();
     println!("faults: {}", log.join(", "));
     assert!(
-        log.len() >= MIN_FAULTS,
+        log.len() >= MIN_FAULTS || only.is_some(),
         "only {} faults within {HARD_STOP:?}",
         log.len()
     );

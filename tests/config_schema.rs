@@ -103,3 +103,24 @@ fn schema_defaults_are_the_code_defaults() {
     }
     assert!(checked >= 20, "only {checked} defaults checked");
 }
+
+#[test]
+fn several_outboxes_validate_and_load() {
+    let text = format!(
+        "{MINIMAL}\n[[outbox]]\ntable = \"orders.outbox\"\n\n[[outbox]]\ntable = \"billing.outbox\"\n\
+         exchange = \"billing\"\ndead_letter_exchange = \"billing.dead\"\n\n[[outbox]]\n\
+         source = \"message\"\nprefix = \"audit\"\n"
+    );
+    let as_json = serde_json::to_value(text.parse::<toml::Table>().unwrap()).unwrap();
+    let v = jsonschema::validator_for(&schema()).unwrap();
+    let errors: Vec<String> = v.iter_errors(&as_json).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(load(&text).unwrap().outboxes.len(), 3);
+    // An empty list, or a list of lists, is refused by both.
+    for bad in ["outbox = []\n", "outbox = [[{ table = \"t\" }]]\n"] {
+        let text = format!("{bad}{MINIMAL}");
+        let as_json = serde_json::to_value(text.parse::<toml::Table>().unwrap()).unwrap();
+        assert!(!v.is_valid(&as_json), "{bad}");
+        assert!(load(&text).is_err(), "{bad}");
+    }
+}

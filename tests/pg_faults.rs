@@ -4,7 +4,11 @@
 //! relay survives, and the slot's `confirmed_flush_lsn` reaches the last
 //! commit.
 //!
-//! (b) takes the whole server down, so the two tests of this binary take
+//! (c) After a PostgreSQL restart (whose slot forgets positions it never
+//! wrote to disk) and after a `kill -9` of the relay on top of one, events
+//! the broker already confirmed are not sent again.
+//!
+//! (b) and (c) take the whole server down, so the tests of this binary take
 //! turns (`SERIAL`).
 
 mod common;
@@ -174,6 +178,85 @@ async fn postgres_restart_mid_stream_loses_nothing() {
         status.success(),
         "relay exit status after SIGTERM: {status}"
     );
+    fx.cleanup().await;
+}
+
+/// (c) A restart replays nothing the broker confirmed: PostgreSQL 15 does
+/// not write a slot to disk when only its confirmed position moved, so
+/// after a restart the slot is back where it was last saved. The relay
+/// resumes from its own last position (after a restart of PostgreSQL), or
+/// from the checkpoint table (after a restart and a `kill -9` of the relay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn restarts_replay_nothing_already_confirmed() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::new("noreplay").await;
+    fx.start_reconnecting_consumer().await;
+    let mut relay = fx.spawn_relay();
+    let mut sent: Vec<String> = Vec::new();
+    let mut all = Vec::new();
+    for round in 0..3 {
+        let pg = pg_connect_retry().await;
+        let mut batch = Vec::new();
+        for i in 0..50 {
+            let payload = serde_json::json!({"round": round, "i": i});
+            batch.push(
+                fx.insert(&pg, "r", &format!("r{round}"), "e", &payload)
+                    .await,
+            );
+        }
+        drop(pg);
+        all.extend(
+            fx.collect_until(
+                &batch,
+                Duration::from_secs(60),
+                Duration::ZERO,
+                Some(&relay),
+            )
+            .await,
+        );
+        sent.extend(batch);
+        // The checkpoint table (written each second) and the slot (each
+        // status interval) have the position.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        match round {
+            0 => ctl_async(pg_ctl, &["restart"]).await,
+            1 => {
+                relay.kill9();
+                ctl_async(pg_ctl, &["restart"]).await;
+                relay = fx.spawn_relay();
+            }
+            _ => {}
+        }
+    }
+    // Long enough for a replay to show.
+    let pg = pg_connect_retry().await;
+    let last = fx
+        .insert(&pg, "r", "last", "e", &serde_json::json!({}))
+        .await;
+    all.extend(
+        fx.collect_until(
+            std::slice::from_ref(&last),
+            Duration::from_secs(60),
+            Duration::from_secs(2),
+            Some(&relay),
+        )
+        .await,
+    );
+    let counts = count_by_id(&all);
+    let again: Vec<&String> = sent.iter().filter(|id| counts[*id] > 1).collect();
+    let log = relay.log_tail();
+    println!(
+        "replayed after the restarts: {} of {} events; resumed past the slot: {}",
+        again.len(),
+        sent.len(),
+        log.lines().filter(|l| l.contains("resuming past")).count()
+    );
+    assert!(
+        again.is_empty(),
+        "{} events sent again; log:\n{log}",
+        again.len()
+    );
+    relay.stop_ok();
     fx.cleanup().await;
 }
 

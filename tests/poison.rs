@@ -453,3 +453,72 @@ async fn a_message_nacked_again_and_again_is_dead_lettered() {
         .await;
     fx.cleanup().await;
 }
+
+/// Headers at the size limit, on the real broker with `frame_max=4096`:
+/// rows whose headers grow a byte at a time across the limit. Those whose
+/// content header fits (by the relay's upper bound, exactly up to
+/// frame_max) arrive with their headers intact; from the first byte over,
+/// each is dead-lettered without them, and the stream never stalls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_at_the_frame_limit_arrive_and_one_byte_over_are_dead_lettered() {
+    const FRAME_MAX: usize = 4096;
+    let fx = Fixture::new("hdrlimit").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    dl_config(&fx, "");
+    let mut rx = fx.consume(&fx.queue).await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let pg = pg_connect().await;
+    let url = format!("{}?frame_max={FRAME_MAX}", amqp_url());
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_RABBITMQ_URL", url.as_str())]);
+    let insert = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+         VALUES ('f', 'h', 'e', '{{}}', jsonb_build_object('big', repeat('h', $1))) \
+         RETURNING id::text",
+        fx.table
+    );
+    // Wide enough to hold the limit whatever the fixed overhead (the id,
+    // content type, aggregate headers) comes to: about 190 bytes.
+    let lens: Vec<i32> = (3800..4000).collect();
+    let mut ids = Vec::new();
+    for &len in &lens {
+        let id: String = pg.query_one(&insert, &[&len]).await.unwrap().get(0);
+        ids.push(id);
+    }
+    let len_of = |id: &str| lens[ids.iter().position(|i| i == id).unwrap()] as usize;
+
+    // Every row comes out once, on one side or the other.
+    let mut delivered = std::collections::BTreeMap::new();
+    let mut dead = std::collections::BTreeMap::new();
+    while delivered.len() + dead.len() < ids.len() {
+        tokio::select! {
+            Some(r) = rx.recv() => { delivered.insert(len_of(&r.message_id()), r); }
+            Some(r) = dlq.recv() => { dead.insert(len_of(&r.message_id()), r); }
+            _ = tokio::time::sleep(Duration::from_secs(30)) => panic!(
+                "{} delivered, {} dead-lettered of {} after 30 s; relay log:\n{}",
+                delivered.len(), dead.len(), ids.len(), relay.log_tail()
+            ),
+        }
+    }
+    let (&fits, _) = delivered.last_key_value().expect("no row fitted");
+    let (&over, _) = dead.first_key_value().expect("no row was over the limit");
+    assert_eq!(over, fits + 1, "the limit is one byte wide");
+    assert_eq!(delivered.len() + dead.len(), ids.len(), "a row came twice");
+    for (len, r) in &delivered {
+        assert_eq!(r.header_str("big").map(|h| h.len()), Some(*len));
+    }
+    for (len, r) in &dead {
+        let err = r.header_str("x-outbox-error").unwrap();
+        assert!(err.contains("frame_max (4096)"), "{len}: {err}");
+        assert!(r.header("big").is_none(), "{len}: dead-lettered with it");
+    }
+    // The first row over is estimated at exactly one byte past the limit:
+    // the last to arrive was at the limit itself.
+    let err = dead[&over].header_str("x-outbox-error").unwrap();
+    assert!(
+        err.contains(&format!("about {} bytes", FRAME_MAX + 1)),
+        "{err}"
+    );
+    relay.stop_ok();
+    fx.cleanup().await;
+}

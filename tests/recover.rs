@@ -263,13 +263,7 @@ async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
 async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
     let _serial = SERIAL.lock().await;
     let mut fx = Fixture::new("recover_resume").await;
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "ok", "w", "e", &serde_json::json!({})).await;
-    fx.expect_delivered(&[warm], &relay).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
-    relay.stop_ok();
+    let pg = checkpointed(&mut fx).await;
     let mut before_bad = Vec::new();
     for i in 0..10 {
         before_bad.push(
@@ -343,6 +337,130 @@ async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
     fx.cleanup().await;
 }
 
+/// A transaction's events are re-published in the order they were
+/// written, whatever their ids: one aggregate's five events, in one
+/// transaction, with ids that sort backwards. (Ordered by id, a recovery
+/// would send them backwards: per-aggregate order broken.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_is_re_published_in_the_order_it_was_written() {
+    let _serial = SERIAL.lock().await;
+    let mut fx = Fixture::new("recover_order").await;
+    let pg = checkpointed(&mut fx).await;
+    let ids: Vec<String> = (1..=5)
+        .rev()
+        .map(|i| format!("00000000-0000-0000-0000-00000000000{i}"))
+        .collect();
+    let values: Vec<String> = ids
+        .iter()
+        .enumerate()
+        .map(|(seq, id)| format!("('{id}', 'order', 'o1', 'e', '{{\"seq\": {seq}}}')"))
+        .collect();
+    pg.batch_execute(&format!(
+        "BEGIN; {} COMMIT;",
+        values
+            .iter()
+            .map(|v| format!(
+                "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload) VALUES {v};",
+                fx.table
+            ))
+            .collect::<String>()
+    ))
+    .await
+    .unwrap();
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    let rec = fx.relay_cmd("recover").output().unwrap();
+    assert!(
+        rec.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rec.stderr)
+    );
+    let got = fx
+        .collect_until(
+            &ids,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+    let order: Vec<u64> = got
+        .iter()
+        .filter(|r| ids.contains(&r.message_id()))
+        .map(|r| r.json()["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(order, [0, 1, 2, 3, 4], "re-published out of written order");
+    fx.cleanup().await;
+}
+
+/// Starts the consumer, streams one event, waits for the checkpoint to
+/// record it, and stops the relay: a recovery has a window to start from.
+/// A recovery recorded while a relay streams (another relay re-publishing
+/// after a failover, or `outbox-relay recover`): the relay's next session
+/// does not stream past it, it finishes the recovery first (streaming
+/// first would deliver newer events before the re-published older ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_finishes_a_recovery_recorded_meanwhile_before_streaming() {
+    let _serial = SERIAL.lock().await;
+    let mut fx = Fixture::new("rec_meanwhile").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let old = fx.insert(&pg, "ok", "a", "e", &serde_json::json!({})).await;
+    let mut got = fx
+        .expect_delivered(std::slice::from_ref(&old), &relay)
+        .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint row
+    let n = pg
+        .execute(
+            "UPDATE outbox_relay_checkpoint SET recovery_since = now() - interval '1 hour', \
+             recovery_after_created = NULL, recovery_after_id = NULL, recovery_done = 0 \
+             WHERE slot_name = $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "no checkpoint row for the slot");
+    fx.terminate_walsender(&pg).await.expect("a walsender");
+    assert!(
+        relay
+            .wait_log("recovery complete", Duration::from_secs(30))
+            .await,
+        "the next session streamed past the recorded recovery:\n{}",
+        relay.log_tail()
+    );
+    let new = fx.insert(&pg, "ok", "a", "e", &serde_json::json!({})).await;
+    got.extend(
+        fx.collect_until(
+            &[old.clone(), new.clone()],
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await,
+    );
+    let counts = count_by_id(&got);
+    assert_eq!(counts[&old], 2, "re-published by the recovery");
+    // Streaming resumed after it, in order: the old event's second copy
+    // before the new one.
+    let pos = |id: &String| got.iter().rposition(|r| &r.message_id() == id).unwrap();
+    assert!(pos(&old) < pos(&new));
+    assert!(relay.log_text().contains("a recovery is under way"));
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+async fn checkpointed(fx: &mut Fixture) -> tokio_postgres::Client {
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let warm = fx.insert(&pg, "ok", "w", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[warm], &relay).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
+    relay.stop_ok();
+    pg
+}
+
 /// Makes the slot's WAL go away: a tiny `max_slot_wal_keep_size`, WAL written
 /// past it, checkpoints. Restores the setting afterwards.
 async fn lose_slot(fx: &Fixture, pg: &tokio_postgres::Client) {
@@ -390,4 +508,147 @@ async fn lose_slot(fx: &Fixture, pg: &tokio_postgres::Client) {
         pg.batch_execute(&sql).await.unwrap();
     }
     assert!(lost, "could not invalidate the slot");
+}
+
+/// Physical order is not written order: a transaction's rows can land in
+/// space VACUUM freed before rows it wrote earlier (here a large first row
+/// takes the last page, the small ones fill it and then go back to page 0).
+/// Re-read in `(created_at, ctid)` order they come out of order; with the
+/// table's identity column as `outbox.sequence`, in the order written.
+/// (Found by tests/ha.rs: a recovery after a failover sent seq 72 before
+/// seq 71 of one transaction.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_column_keeps_a_transaction_s_rows_in_written_order() {
+    // VACUUM must free space: no other test's transaction may hold it back.
+    let _serial = SERIAL.lock().await;
+    let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
+        .unwrap()
+        .replace("CREATE TABLE outbox", "CREATE TABLE {table}")
+        + "; ALTER TABLE {table} ADD COLUMN seq bigint GENERATED ALWAYS AS IDENTITY";
+    let mut fx = Fixture::with_ddl("recover_seq", "", &ddl).await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let t = fx.table.clone();
+    let t = &t;
+    let insert = |agg: &str, pad: usize, range: &str| {
+        format!(
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
+             SELECT 'order', '{agg}', 'e', jsonb_build_object('seq', i, 'pad', repeat('x', {pad})) \
+             FROM generate_series({range}) i;"
+        )
+    };
+    pg.batch_execute(&insert("filler", 300, "1, 100"))
+        .await
+        .unwrap();
+    pg.batch_execute(&format!(
+        "DELETE FROM {t} WHERE ctid = ANY('{{\"(0,1)\",\"(0,2)\"}}'::tid[])"
+    ))
+    .await
+    .unwrap();
+    pg.batch_execute(&format!("VACUUM (INDEX_CLEANUP ON) {t}"))
+        .await
+        .unwrap();
+    // One transaction, on a fresh connection: seq 1 large, 2..=40 small.
+    let writer = pg_connect().await;
+    writer
+        .batch_execute(&format!(
+            "BEGIN; {} {} COMMIT;",
+            insert("o", 1500, "1, 1"),
+            insert("o", 200, "2, 40")
+        ))
+        .await
+        .unwrap();
+    let physical: Vec<i64> = pg
+        .query(
+            &format!(
+                "SELECT (payload->>'seq')::int8 FROM {t} WHERE aggregate_id = 'o' ORDER BY ctid"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let written: Vec<i64> = (1..=40).collect();
+    assert_ne!(
+        physical, written,
+        "set-up: the heap kept written order this time"
+    );
+
+    let ids: Vec<String> = pg
+        .query(
+            &format!("SELECT id::text FROM {t} WHERE aggregate_id = 'o'"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let republished = |fx: &Fixture| {
+        let out = fx
+            .relay_cmd("republish")
+            .args(["--since", "2000-01-01"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let seqs = |got: &[Received]| -> Vec<i64> {
+        got.iter()
+            .filter(|r| r.header_str("aggregate_id").as_deref() == Some("o"))
+            .map(|r| r.json()["seq"].as_i64().unwrap())
+            .collect()
+    };
+    // Without the key: physical order.
+    republished(&fx);
+    let got = fx
+        .collect_until(
+            &ids,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+    assert_eq!(seqs(&got), physical, "(created_at, ctid) order");
+
+    // A key that is not a NOT NULL integer is refused by check, naming it.
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let with = |col: &str| {
+        text.replace(
+            &format!("table = \"public.{t}\""),
+            &format!("table = \"public.{t}\"\nsequence = \"{col}\""),
+        )
+    };
+    std::fs::write(&fx.config, with("aggregate_id")).unwrap();
+    let check = fx.relay_cmd("check").output().unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        !check.status.success() && said.contains("outbox.sequence"),
+        "{said}"
+    );
+
+    // With it: written order.
+    std::fs::write(&fx.config, with("seq")).unwrap();
+    let check = fx.relay_cmd("check").output().unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    republished(&fx);
+    let got = fx
+        .collect_until(
+            &ids,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+    assert_eq!(seqs(&got), written, "sequence order");
+    fx.cleanup().await;
 }

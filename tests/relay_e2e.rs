@@ -271,6 +271,12 @@ async fn graceful_restart_resumes_from_the_slot_without_duplicates() {
     .await;
     let (status, _) = relay.sigterm();
     assert!(status.success());
+    // It said goodbye: connection.close, answered, before the socket shut.
+    assert_eq!(
+        broker_logged_closes(&fx.slot),
+        [true],
+        "the broker did not log one clean close"
+    );
     fx.wait_slot_inactive(&pg).await;
 
     let mut second = Vec::new();

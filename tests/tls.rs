@@ -16,11 +16,9 @@ mod support;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Connection, ConnectionProperties};
 use outbox_relay::lsn::Lsn;
 use outbox_relay::source::{connect_sql, start_replication};
 use support::*;
@@ -50,31 +48,14 @@ async fn relay_streams_over_tls_with_verify_full() {
     let amqp = Connection::connect(rabbit.var("TEST_AMQP_URL"), ConnectionProperties::default())
         .await
         .unwrap();
+    common::declare_bound_on(
+        &amqp,
+        &cfg.exchange,
+        Some(("tls_q", FieldTable::default())),
+        "#",
+    )
+    .await;
     let ch = amqp.create_channel().await.unwrap();
-    ch.exchange_declare(
-        cfg.exchange.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_declare(
-        "tls_q".into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        "tls_q".into(),
-        cfg.exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
     let mut consumer = ch
         .basic_consume(
             "tls_q".into(),
@@ -308,7 +289,9 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
     let c = cfg.load();
     assert_eq!(c.postgres.sslmode, outbox_relay::tls::SslMode::Prefer);
     let sql = connect_sql(&c.postgres).await.unwrap();
-    let repl = start_replication(&c.postgres, Lsn(0), 16).await.unwrap();
+    let repl = start_replication(&c.postgres, Lsn(0), None, 16)
+        .await
+        .unwrap();
     assert!(!walsender_ssl(&pg, "prefer").await);
     assert_eq!(relay_backends(&pg).await, (2, false));
     drop(repl);
@@ -326,7 +309,7 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
         ("SQL", connect_sql(&c.postgres).await.err()),
         (
             "replication",
-            start_replication(&c.postgres, Lsn(0), 16).await.err(),
+            start_replication(&c.postgres, Lsn(0), None, 16).await.err(),
         ),
     ] {
         let e = e.unwrap_or_else(|| panic!("{what} connection succeeded"));
@@ -624,15 +607,7 @@ async fn rabbitmq_ca_file_replaces_the_public_roots() {
     let amqp = Connection::connect(rabbit.var("TEST_AMQP_URL"), ConnectionProperties::default())
         .await
         .unwrap();
-    let ch = amqp.create_channel().await.unwrap();
-    ch.exchange_declare(
-        cfg.exchange.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    common::declare_bound_on(&amqp, &cfg.exchange, None, "").await;
     cfg.write(&pg_server.url("127.0.0.1", ""), "", &amqps, "");
     let (relay, log) = cfg.spawn_with(&[("SSL_CERT_FILE", &system)]);
     let end = std::time::Instant::now() + Duration::from_secs(30);

@@ -28,6 +28,31 @@ impl RelayConfig {
         publication: &str,
         exchange: &str,
     ) -> Result<RelayConfig> {
+        let outbox = format!("[outbox]\ntable = \"public.{table}\"\n");
+        Self::write_outbox(s, name, &outbox, slot, publication, exchange)
+    }
+
+    /// A table-less outbox: logical messages with `prefix`.
+    pub fn write_messages(
+        s: &Settings,
+        name: &str,
+        prefix: &str,
+        slot: &str,
+        publication: &str,
+        exchange: &str,
+    ) -> Result<RelayConfig> {
+        let outbox = format!("[outbox]\nsource = \"message\"\nprefix = \"{prefix}\"\n");
+        Self::write_outbox(s, name, &outbox, slot, publication, exchange)
+    }
+
+    fn write_outbox(
+        s: &Settings,
+        name: &str,
+        outbox: &str,
+        slot: &str,
+        publication: &str,
+        exchange: &str,
+    ) -> Result<RelayConfig> {
         let dir = Path::new(&s.out_dir).join("work");
         std::fs::create_dir_all(&dir)?;
         let http_port = crate::procs::free_port()?;
@@ -39,9 +64,7 @@ url = "{pg}"
 slot = "{slot}"
 publication = "{publication}"
 
-[outbox]
-table = "public.{table}"
-
+{outbox}
 [rabbitmq]
 url = "{amqp}"
 exchange = "{exchange}"

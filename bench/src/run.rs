@@ -83,6 +83,9 @@ pub struct QueueTypeResult {
     pub decode: Option<Decode>,
     /// The fastest of `relay_passes`.
     pub relay: Option<Drain>,
+    /// The relay draining the same events from a table-less outbox
+    /// (transactional logical messages).
+    pub relay_messages: Option<Drain>,
     pub relay_passes: Vec<Drain>,
     pub relay_published_metric: Option<f64>,
     /// The fastest run of each publisher.
@@ -223,6 +226,47 @@ async fn relay_drain(
         },
         published,
     ))
+}
+
+/// The relay over the same events as logical messages: no table at all.
+async fn messages_drain(
+    s: &Settings,
+    pg: &Client,
+    n: &Names,
+    probe: &mut crate::amqp::DepthProbe,
+) -> Result<Drain> {
+    let (slot, publication) = (format!("{}_msg", n.slot), format!("{}_msg", n.publication));
+    let prefix = format!("bench-{}", n.queue_type);
+    pg.batch_execute(&format!("DROP PUBLICATION IF EXISTS {publication}"))
+        .await?;
+    let cfg = RelayConfig::write_messages(
+        s,
+        &format!("{}-msg", n.slot.trim_start_matches("bench_slot_")),
+        &prefix,
+        &slot,
+        &publication,
+        &n.exchange,
+    )?;
+    cfg.setup()?;
+    eprintln!(
+        "  table-less: emitting {} events as logical messages ...",
+        s.events
+    );
+    let lsn0 = crate::pg::wal_lsn(pg).await?;
+    let insert = crate::pg::emit_backlog(pg, &prefix, 1, s.events, s.tx_rows).await?;
+    let lsn1 = crate::pg::wal_lsn(pg).await?;
+    pg.batch_execute("CHECKPOINT").await?;
+    eprintln!("  table-less: relay drain ...");
+    let (d, _) = relay_drain(s, pg, &cfg, probe, lsn0, lsn1, insert).await?;
+    eprintln!(
+        "    relay (table-less): {:.0} events/s, {:.2} CPU s/100k, {:.0} WAL bytes/event",
+        d.events_per_s, d.cpu_seconds_per_100k, d.wal_bytes_per_event
+    );
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await?;
+    pg.batch_execute(&format!("DROP PUBLICATION IF EXISTS {publication}"))
+        .await?;
+    Ok(d)
 }
 
 async fn queue_type_round(
@@ -382,6 +426,8 @@ async fn queue_type_round(
             r.publisher_passes.push(run);
         }
     }
+    probe.purge().await?;
+    r.relay_messages = Some(messages_drain(s, pg, n, &mut probe).await?);
     probe.purge().await?;
     r.relay = r
         .relay_passes

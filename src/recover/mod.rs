@@ -4,10 +4,11 @@
 //! # A recovery that can be re-run
 //!
 //! `recover` records its window in the checkpoint table *before* it
-//! recreates the slot, then re-publishes the window's rows in
-//! `(created_at, id)` order, recording the last confirmed row about once a
-//! second. Whatever stops it half way (the broker gone, an undeliverable
-//! row, SIGINT), the record stays: running `recover` again, or `run`,
+//! recreates the slot, then re-publishes the window's rows in the order of
+//! the outbox's `sequence` column, or else `(created_at, ctid)` (see
+//! [`rows::Key`]), recording the last confirmed row about once a second.
+//! Whatever stops it half way (the broker gone, an undeliverable row,
+//! SIGINT), the record stays: running `recover` again, or `run`,
 //! resumes after the last confirmed row, and only a complete pass clears it.
 //! Rows committed after the slot was made are streamed by `run`; rows in
 //! both are delivered twice, never zero times.
@@ -22,6 +23,7 @@
 //! transaction the relay has seen (see [`crate::source::longest_tx`]) plus
 //! its sampling interval.
 
+pub mod prune;
 pub mod publish;
 pub mod rows;
 
@@ -35,8 +37,8 @@ pub use publish::Published;
 pub use rows::{Key, Selection};
 
 use crate::config::Config;
-use crate::relay::{self, RelayError};
-use crate::sink::publisher::Refusals;
+use crate::error::RelayError;
+use crate::sink::refusals::{Refusals, learn};
 use crate::sink::replies::Disposition;
 use crate::source::checkpoint_table::{self, Recovery};
 use crate::source::slot::{self, SlotInfo};
@@ -44,7 +46,7 @@ use crate::source::{SourceError, connect_sql, sql_err};
 
 /// Added to the longest transaction seen: it may have gone on for up to a
 /// sampling interval after the last sample, and shorter ones go unseen.
-const LONGEST_TX_MARGIN_SECS: f64 = 10.0;
+pub const LONGEST_TX_MARGIN_SECS: f64 = 10.0;
 
 /// What `recover` found and did.
 #[derive(Debug)]
@@ -142,15 +144,48 @@ pub async fn recover(
     overlap_secs: u64,
     stop: &CancellationToken,
 ) -> Result<RecoverOutcome, RelayError> {
+    let busy = || {
+        SourceError::Setup(format!(
+            "another `outbox-relay recover` (or a `run` finishing a recovery) is working on \
+             slot {:?}; wait for it",
+            cfg.postgres.slot
+        ))
+        .into()
+    };
+    recover_with(cfg, dry_run, overlap_secs, stop, busy).await
+}
+
+/// `run`'s own recovery of a lost slot (`postgres.on_slot_lost =
+/// "recover"`), with `recover`'s default overlap. Another process
+/// recovering the slot is the slot being busy: the caller waits, as a
+/// standby relay does.
+pub async fn recover_lost_slot(
+    cfg: &Config,
+    stop: &CancellationToken,
+) -> Result<RecoverOutcome, RelayError> {
+    let busy = || {
+        SourceError::SlotBusy {
+            slot: cfg.postgres.slot.clone(),
+            pid: 0,
+        }
+        .into()
+    };
+    recover_with(cfg, false, DEFAULT_OVERLAP_SECS, stop, busy).await
+}
+
+/// `recover`'s default `--overlap-secs`.
+pub const DEFAULT_OVERLAP_SECS: u64 = 60;
+
+async fn recover_with(
+    cfg: &Config,
+    dry_run: bool,
+    overlap_secs: u64,
+    stop: &CancellationToken,
+    busy: impl FnOnce() -> RelayError,
+) -> Result<RecoverOutcome, RelayError> {
     let client = connect_sql(&cfg.postgres).await?;
-    if !dry_run {
-        lock_recovery(&client, cfg).await.map_err(|_| {
-            SourceError::Setup(format!(
-                "another `outbox-relay recover` (or a `run` finishing a recovery) is working on \
-                 slot {:?}; wait for it",
-                cfg.postgres.slot
-            ))
-        })?;
+    if !dry_run && lock_recovery(&client, cfg).await.is_err() {
+        return Err(busy());
     }
     let info = slot::slot_info(&client, cfg).await?;
     let pending = checkpoint_table::pending_recovery(&client, cfg).await?;
@@ -181,7 +216,7 @@ pub async fn recover(
         window.push_str(" (the slot was lost again: from the start)");
     }
     let sel = window_selection(&recovery, commit_ts);
-    let selected = rows::count(&client, cfg, &sel).await?;
+    let selected = rows::count(&client, cfg, &sel, &rows::tables(cfg, None)?).await?;
     if dry_run {
         return Ok(RecoverOutcome::Republished {
             window,
@@ -252,13 +287,13 @@ async fn finish(
     let done_before = recovery.done;
     loop {
         let mut reader = connect_sql(&cfg.postgres).await?;
-        let mut rows =
-            rows::Rows::open(&mut reader, cfg, &window_selection(&recovery, commit_ts)).await?;
+        let sel = window_selection(&recovery, commit_ts);
+        let mut rows = rows::Rows::open(&mut reader, cfg, &sel, &rows::tables(cfg, None)?).await?;
         let (base, since) = (recovery.done, recovery.since.clone());
         let save = |p: Published| {
             let r = Recovery {
                 since: since.clone(),
-                after: p.last.map(|k| (k.created, k.id)),
+                after: p.last.map(|k| k.to_record()),
                 done: base + p.confirmed as i64,
             };
             async move {
@@ -278,7 +313,7 @@ async fn finish(
         total.sent += done.sent;
         if let Some(k) = done.last.clone() {
             total.last = Some(k.clone());
-            recovery.after = Some((k.created, k.id));
+            recovery.after = Some(k.to_record());
         }
         recovery.done += done.confirmed as i64;
         let e = match err {
@@ -290,8 +325,8 @@ async fn finish(
             Some(other) => return Err(other),
         };
         let head = refusals.head.lock().expect("not poisoned").take();
-        if let Some(fatal) = relay::learn(cfg, &e, head, &mut refusals, &mut strikes) {
-            return Err(fatal);
+        if let Some(fatal) = learn(cfg, &e, head, &mut refusals, &mut strikes) {
+            return Err(fatal.into());
         }
         if !matches!(
             e.disposition(),
@@ -349,20 +384,24 @@ pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bo
     };
     info!(since = %recovery.since, done = recovery.done, "finishing the recovery recorded earlier");
     let commit_ts = commit_timestamps(&client, cfg).await?;
-    let selected = rows::count(&client, cfg, &window_selection(&recovery, commit_ts)).await?;
+    let sel = window_selection(&recovery, commit_ts);
+    let selected = rows::count(&client, cfg, &sel, &rows::tables(cfg, None)?).await?;
     let done = finish(cfg, &client, recovery, commit_ts, selected, stop).await?;
     Ok(done.complete)
 }
 
-/// `republish`: the selected rows, in `(created_at, id)` order.
+/// `republish`: the selected rows of every outbox table (or of the one
+/// `table` names), table by table in their order (see [`rows::Key`]).
 pub async fn republish(
     cfg: &Config,
     sel: &Selection,
+    table: Option<&str>,
     stop: &CancellationToken,
 ) -> Result<(i64, Published), RelayError> {
+    let tables = rows::tables(cfg, table)?;
     let mut client = connect_sql(&cfg.postgres).await?;
-    let selected = rows::count(&client, cfg, sel).await?;
-    let mut rows = rows::Rows::open(&mut client, cfg, sel).await?;
+    let selected = rows::count(&client, cfg, sel, &tables).await?;
+    let mut rows = rows::Rows::open(&mut client, cfg, sel, &tables).await?;
     let refusals = Refusals::default();
     let (done, err) = publish::publish_rows(
         cfg,

@@ -17,13 +17,15 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use super::rows::{Key, Rows};
+use crate::checkpoint::Progress;
 use crate::config::Config;
+use crate::error::RelayError;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::relay::RelayError;
 use crate::sink::AmqpSink;
 use crate::sink::budget::ByteBudget;
-use crate::sink::publisher::{self, Progress, Refusals, SinkItem};
+use crate::sink::publisher::{self, SinkItem};
+use crate::sink::refusals::Refusals;
 
 /// Items queued for the publisher.
 const QUEUE: usize = 512;
@@ -60,7 +62,13 @@ where
     S: FnMut(Published) -> F,
     F: Future<Output = ()>,
 {
-    let mut sink = match AmqpSink::connect(&cfg.rabbitmq).await {
+    let mut sink = match AmqpSink::connect(
+        &cfg.rabbitmq,
+        &format!("outbox-relay recover (slot {})", cfg.postgres.slot),
+        &crate::sink::nodes::Nodes::new(&cfg.rabbitmq),
+    )
+    .await
+    {
         Ok(sink) => sink,
         Err(e) => return (Published::default(), Some(e.into())),
     };
@@ -128,7 +136,7 @@ where
             &mut sink,
             rx,
             &wm_tx,
-            (&cfg.rabbitmq, refusals, &budget),
+            (&cfg.rabbitmq, &cfg.dead_letters(), refusals, &budget),
             Lsn(0),
             &metrics,
             stop,
@@ -173,7 +181,7 @@ where
     done.complete =
         published.is_ok() && read_err.is_none() && !stop.is_cancelled() && done.confirmed == sent;
     save(done.clone()).await;
-    let err = published.err().or(read_err.map(RelayError::from));
+    let err = (published.err().map(RelayError::from)).or(read_err.map(RelayError::from));
     (done, err)
 }
 

@@ -1,241 +1,18 @@
-//! The AMQP client against a scripted broker: an in-process TCP listener
-//! that speaks amq-protocol frames, one script per test. Each test checks
-//! what the client reports (an event, an error and its disposition) and
-//! what it sends back.
+//! The AMQP client against the scripted broker ([`super::scripted`]), one
+//! script per test. Each test checks what the client reports (an event, an
+//! error and its disposition) and what it sends back. Long because it is a
+//! table of cases, one per behaviour of the protocol: read it case by case.
 
 use std::time::Duration;
 
-use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, parse_frame};
-use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection};
-use amq_protocol::types::FieldTable;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
+use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
 
 use super::replies::Disposition;
-use super::wire::{Event, Target, Wire, WireError, encode_frame};
-use crate::message::Envelope;
-
-/// The broker's end of one connection.
-struct Peer {
-    s: TcpStream,
-    buf: Vec<u8>,
-}
-
-impl Peer {
-    async fn read_more(&mut self) -> bool {
-        let mut chunk = [0u8; 65536];
-        match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut chunk)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => false,
-            Ok(Ok(n)) => {
-                self.buf.extend_from_slice(&chunk[..n]);
-                true
-            }
-            Err(_) => panic!("the client sent nothing for 10 s"),
-        }
-    }
-
-    /// The next frame from the client, `None` at EOF.
-    async fn frame(&mut self) -> Option<AMQPFrame> {
-        loop {
-            if let Ok((rest, f)) = parse_frame(&self.buf[..]) {
-                let used = self.buf.len() - rest.len();
-                self.buf.drain(..used);
-                return Some(f);
-            }
-            if !self.read_more().await {
-                return None;
-            }
-        }
-    }
-
-    /// The next method from the client (heartbeats skipped).
-    async fn method(&mut self) -> (u16, AMQPClass) {
-        loop {
-            match self.frame().await.expect("a method, not EOF") {
-                AMQPFrame::Method(ch, m) => return (ch, m),
-                AMQPFrame::Heartbeat => {}
-                other => panic!("expected a method, got {other:?}"),
-            }
-        }
-    }
-
-    async fn send(&mut self, frame: AMQPFrame) {
-        let bytes = encode_frame(Vec::new(), &frame).unwrap();
-        self.s.write_all(&bytes).await.unwrap();
-    }
-
-    async fn send_method(&mut self, ch: u16, m: AMQPClass) {
-        self.send(AMQPFrame::Method(ch, m)).await;
-    }
-
-    /// Up to the `connection.tune` answer: header, start, start-ok, tune.
-    async fn start(&mut self, frame_max: u32, heartbeat: u16) {
-        self.greet().await;
-        self.tune(2047, frame_max, heartbeat).await;
-        let (_, m) = self.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::TuneOk(_))),
-            "{m:?}"
-        );
-    }
-
-    /// The protocol header, then start and start-ok.
-    async fn greet(&mut self) {
-        while self.buf.len() < 8 {
-            assert!(self.read_more().await, "no protocol header");
-        }
-        assert_eq!(&self.buf[..8], b"AMQP\x00\x00\x09\x01");
-        self.buf.drain(..8);
-        self.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
-                version_major: 0,
-                version_minor: 9,
-                server_properties: FieldTable::default(),
-                mechanisms: "PLAIN AMQPLAIN".into(),
-                locales: "en_US".into(),
-            })),
-        )
-        .await;
-        let (_, m) = self.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::StartOk(_))),
-            "{m:?}"
-        );
-    }
-
-    async fn tune(&mut self, channel_max: u16, frame_max: u32, heartbeat: u16) {
-        self.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
-                channel_max,
-                frame_max,
-                heartbeat,
-            })),
-        )
-        .await;
-    }
-
-    /// A whole handshake: connection, channel 1, confirm mode.
-    async fn handshake(&mut self, frame_max: u32) {
-        self.handshake_with(frame_max, 0).await;
-    }
-
-    /// As [`Peer::handshake`], proposing `heartbeat` seconds.
-    async fn handshake_with(&mut self, frame_max: u32, heartbeat: u16) {
-        self.start(frame_max, heartbeat).await;
-        let (_, m) = self.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Open(_))),
-            "{m:?}"
-        );
-        self.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
-        )
-        .await;
-        let (ch, m) = self.method().await;
-        assert!(
-            matches!(m, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
-            "{m:?}"
-        );
-        self.send_method(
-            ch,
-            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
-        )
-        .await;
-        let (ch, m) = self.method().await;
-        assert!(
-            matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::Select(_))),
-            "{m:?}"
-        );
-        self.send_method(
-            ch,
-            AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
-        )
-        .await;
-    }
-
-    /// One publish from the client: its routing key and body.
-    async fn publish(&mut self) -> (String, Vec<u8>) {
-        let (_, m) = self.method().await;
-        let AMQPClass::Basic(basic::AMQPMethod::Publish(p)) = m else {
-            panic!("expected basic.publish, got {m:?}");
-        };
-        let Some(AMQPFrame::Header(_, h)) = self.frame().await else {
-            panic!("expected a content header");
-        };
-        let mut body = Vec::new();
-        while (body.len() as u64) < h.body_size {
-            match self.frame().await {
-                Some(AMQPFrame::Body(_, b)) => body.extend_from_slice(&b),
-                other => panic!("expected a body frame, got {other:?}"),
-            }
-        }
-        (p.routing_key.to_string(), body)
-    }
-
-    async fn close_connection(&mut self, code: u16, text: &str) {
-        self.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
-                reply_code: code,
-                reply_text: text.into(),
-                class_id: 0,
-                method_id: 0,
-            })),
-        )
-        .await;
-    }
-}
-
-/// A broker on `host` running `script` for one connection; the client's
-/// target.
-async fn broker<F, Fut>(host: &str, script: F) -> (Target, tokio::task::JoinHandle<()>)
-where
-    F: FnOnce(Peer) -> Fut + Send + 'static,
-    Fut: Future<Output = ()> + Send,
-{
-    let listener = TcpListener::bind((host, 0)).await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let task = tokio::spawn(async move {
-        let (s, _) = listener.accept().await.unwrap();
-        script(Peer { s, buf: Vec::new() }).await;
-    });
-    let in_url = if host.contains(':') {
-        format!("[{host}]")
-    } else {
-        host.to_owned()
-    };
-    let uri = super::parse_amqp_url(&format!("amqp://u:p@{in_url}:{port}/v")).unwrap();
-    let target = Target {
-        uri,
-        tls: None,
-        connection_name: "conformance".into(),
-    };
-    (target, task)
-}
-
-async fn connect(t: &Target) -> Result<Wire, WireError> {
-    tokio::time::timeout(Duration::from_secs(10), Wire::connect(t))
-        .await
-        .expect("connect hung")
-}
-
-fn message(key: &str, body: usize) -> Envelope {
-    Envelope {
-        exchange: "ex".into(),
-        routing_key: key.into(),
-        body: bytes::Bytes::from(vec![7u8; body]),
-        properties: lapin::BasicProperties::default().with_message_id(key.into()),
-    }
-}
-
-async fn next_event(w: &mut Wire) -> Result<Event, WireError> {
-    tokio::time::timeout(Duration::from_secs(10), w.event())
-        .await
-        .expect("no event within 10 s")
-}
+use super::scripted::{Peer, broker, connect, message, next_event};
+use super::wire::{Event, Target, WireError, encode_frame};
 
 #[tokio::test]
 async fn wrong_credentials_stop_and_the_close_is_answered() {
@@ -690,33 +467,6 @@ async fn channel_flow_is_answered_and_pauses_publishing() {
     broker.await.unwrap();
 }
 
-/// The broker stops reading, our send buffer fills, and then it closes the
-/// connection: the close is read and reported at once (the unwritten
-/// publishes are not waited for).
-#[tokio::test]
-async fn a_close_while_our_send_buffer_is_full_is_reported() {
-    let (t, broker) = broker("127.0.0.1", |mut p| async move {
-        p.handshake(131_072).await;
-        // Not reading: let the client fill the socket buffers.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        p.close_connection(320, "CONNECTION_FORCED - broker forced connection closure")
-            .await;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-    })
-    .await;
-    let mut w = connect(&t).await.unwrap();
-    for i in 0..64 {
-        w.publish(message(&format!("m{i}"), 1 << 20)).unwrap();
-    }
-    let e = next_event(&mut w).await.unwrap_err();
-    assert!(
-        matches!(e, WireError::ConnectionClosed { code: 320, .. }),
-        "{e}"
-    );
-    assert!(e.is_transient());
-    broker.abort();
-}
-
 /// A broker that never confirms, reading everything (then only
 /// `rabbitmq.window_bytes` bounds what is in flight) or nothing (then the
 /// full write buffer does, too): the publisher stops taking work at 1 MiB
@@ -729,6 +479,14 @@ async fn a_broker_that_never_confirms_bounds_the_publisher_and_times_out() {
     }
 }
 
+/// The broker confirms every message but the first: the tags kept from the
+/// oldest unconfirmed one stay within four windows (not one per publish
+/// until the deadline), and the confirm deadline ends the session.
+#[tokio::test]
+async fn one_message_left_unconfirmed_bounds_what_is_kept() {
+    never_confirms("all-but-first").await;
+}
+
 /// An ack for a delivery tag never published ends the session; nothing is
 /// taken for confirmed.
 #[tokio::test]
@@ -737,20 +495,41 @@ async fn an_ack_for_a_tag_never_published_confirms_nothing() {
 }
 
 async fn never_confirms(mode: &'static str) {
-    use crate::config::{Config, OutboxColumns};
+    use crate::checkpoint::Progress;
+    use crate::config::Config;
     use crate::lsn::Lsn;
     use crate::outbox::{Mapping, OutboxEvent};
     use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
     use crate::sink::budget::ByteBudget;
-    use crate::sink::publisher::{self, Progress, Refusals, SinkItem};
+    use crate::sink::publisher::{self, SinkItem};
+    use crate::sink::refusals::Refusals;
     use std::sync::Arc;
 
     let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
     let port = listener.local_addr().unwrap().port();
+    let published = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = published.clone();
     let broker = tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
         let mut p = Peer { s, buf: Vec::new() };
         p.handshake(131_072).await;
+        // Confirms every message but the first, each on its own.
+        if mode == "all-but-first" {
+            for tag in 1.. {
+                p.publish().await;
+                count.store(tag as usize, std::sync::atomic::Ordering::SeqCst);
+                if tag > 1 {
+                    p.send_method(
+                        1,
+                        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                            delivery_tag: tag,
+                            multiple: false,
+                        })),
+                    )
+                    .await;
+                }
+            }
+        }
         // Never confirms; reads everything, or nothing, or acks a tag
         // that was never published.
         if mode == "bogus-ack" {
@@ -771,13 +550,20 @@ async fn never_confirms(mode: &'static str) {
         }
         tokio::time::sleep(Duration::from_secs(30)).await;
     });
+    let window = if mode == "all-but-first" { 10 } else { 1000 };
     let toml = format!(
         "[postgres]\nurl = \"postgres://u@h/db\"\n[outbox]\ntable = \"public.outbox\"\n\
          [rabbitmq]\nurl = \"amqp://u:p@127.0.0.1:{port}/v\"\nexchange = \"{{aggregate_type}}\"\n\
-         window = 1000\nwindow_bytes = 1048576\nconfirm_timeout_secs = 2\n"
+         window = {window}\nwindow_bytes = 1048576\nconfirm_timeout_secs = 2\n"
     );
     let cfg = Config::from_toml(&toml, "test.toml", Vec::new()).unwrap();
-    let mut sink = super::AmqpSink::connect(&cfg.rabbitmq).await.unwrap();
+    let mut sink = super::AmqpSink::connect(
+        &cfg.rabbitmq,
+        "conformance",
+        &super::nodes::Nodes::new(&cfg.rabbitmq),
+    )
+    .await
+    .unwrap();
 
     let columns = [
         ("id", 25),
@@ -801,7 +587,7 @@ async fn never_confirms(mode: &'static str) {
             })
             .collect(),
     };
-    let mapping = Mapping::new(&rel, &OutboxColumns::default_names(), &cfg.rabbitmq).map(Arc::new);
+    let mapping = Mapping::new(&rel, &cfg.outboxes[0]).map(Arc::new);
     let payload = bytes::Bytes::from(vec![b'x'; 100 * 1024]);
     let (tx, rx) = tokio::sync::mpsc::channel(300);
     tx.try_send(SinkItem::Begin { commit_time_us: 0 }).unwrap();
@@ -820,6 +606,7 @@ async fn never_confirms(mode: &'static str) {
             ),
             mapping: mapping.clone(),
             commit_time_us: 0,
+            outbox: 0,
         };
         tx.try_send(SinkItem::Event(ev)).unwrap();
     }
@@ -831,11 +618,12 @@ async fn never_confirms(mode: &'static str) {
     let (refusals, budget) = (Refusals::default(), ByteBudget::default());
     let metrics = crate::metrics::Metrics::new();
     let stop = tokio_util::sync::CancellationToken::new();
+    let dead_letters = cfg.dead_letters();
     let run = publisher::run(
         &mut sink,
         rx,
         &wm,
-        (&cfg.rabbitmq, &refusals, &budget),
+        (&cfg.rabbitmq, &dead_letters, &refusals, &budget),
         Lsn(1),
         &metrics,
         &stop,
@@ -845,6 +633,15 @@ async fn never_confirms(mode: &'static str) {
         .expect("the confirm deadline did not fire");
     let e = r.unwrap_err();
     assert_eq!(wm_rx.borrow().lsn, Lsn(1), "nothing is confirmed ({mode})");
+    if mode == "all-but-first" {
+        // One message left unanswered while the rest are confirmed: the
+        // list of tags stops at four windows, and the deadline ends it.
+        let n = published.load(std::sync::atomic::Ordering::SeqCst);
+        assert!((10..=41).contains(&n), "{n} published past one unconfirmed");
+        assert!(e.to_string().contains("no publisher confirm"), "{e}");
+        broker.abort();
+        return;
+    }
     if mode == "bogus-ack" {
         assert!(e.to_string().contains("delivery tag 999"), "{e}");
         assert!(e.is_transient(), "{e}");
@@ -861,123 +658,4 @@ async fn never_confirms(mode: &'static str) {
         "{in_flight} messages in flight to a broker that never confirms ({mode})"
     );
     broker.abort();
-}
-
-mod fuzz {
-    use super::*;
-    use proptest::prelude::*;
-
-    /// Frames a broker may send the publishing side, valid.
-    fn valid_stream() -> Vec<u8> {
-        let frames = [
-            AMQPFrame::Method(
-                1,
-                AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                    delivery_tag: 1,
-                    multiple: true,
-                })),
-            ),
-            AMQPFrame::Method(
-                1,
-                AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
-                    reply_code: 312,
-                    reply_text: "NO_ROUTE".into(),
-                    exchange: "ex".into(),
-                    routing_key: "rk".into(),
-                })),
-            ),
-            AMQPFrame::Header(
-                1,
-                AMQPContentHeader {
-                    class_id: 60,
-                    body_size: 5,
-                    properties: lapin::BasicProperties::default().with_message_id("m".into()),
-                },
-            ),
-            AMQPFrame::Body(1, b"hello".to_vec()),
-            AMQPFrame::Heartbeat,
-            AMQPFrame::Method(
-                1,
-                AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
-                    delivery_tag: 2,
-                    multiple: false,
-                    requeue: true,
-                })),
-            ),
-            AMQPFrame::Method(
-                0,
-                AMQPClass::Connection(connection::AMQPMethod::Blocked(connection::Blocked {
-                    reason: "r".into(),
-                })),
-            ),
-        ];
-        let mut bytes = Vec::new();
-        for f in &frames {
-            bytes = encode_frame(bytes, f).unwrap();
-        }
-        bytes
-    }
-
-    /// Feeds `bytes` as the broker's side of a connection, then EOF, and
-    /// reads events until an error: returns how many there were.
-    fn feed(bytes: Vec<u8>) -> usize {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let (ours, mut theirs) = tokio::io::duplex(bytes.len() + 16);
-            theirs.write_all(&bytes).await.unwrap();
-            drop(theirs);
-            let mut w = Wire::after_handshake(ours);
-            let mut events = 0;
-            loop {
-                match tokio::time::timeout(Duration::from_secs(5), w.event()).await {
-                    Ok(Ok(_)) => events += 1,
-                    Ok(Err(_)) => return events,
-                    Err(_) => panic!("hung on {} bytes", bytes.len()),
-                }
-                // Every event consumed at least one whole frame (8 bytes).
-                assert!(
-                    events * 8 <= bytes.len(),
-                    "{events} events from {} bytes",
-                    bytes.len()
-                );
-            }
-        })
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2000))]
-
-        /// Arbitrary bytes: never a panic or a hang, always an error at
-        /// the end (the stream ends in EOF).
-        #[test]
-        fn arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
-            feed(bytes);
-        }
-
-        /// A valid stream with bytes flipped, cut or inserted.
-        #[test]
-        fn mutated_valid_streams(
-            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
-            cut in any::<prop::sample::Index>(),
-        ) {
-            let mut bytes = valid_stream();
-            for (at, b) in flips {
-                let i = at.index(bytes.len());
-                bytes[i] = b;
-            }
-            let end = cut.index(bytes.len() + 1);
-            bytes.truncate(end.max(1));
-            feed(bytes);
-        }
-    }
-
-    /// Unmutated, every frame is an event except the heartbeat and the
-    /// parts of the return (header, body), which make one.
-    #[test]
-    fn the_valid_stream_is_read_whole() {
-        assert_eq!(feed(valid_stream()), 4);
-    }
 }

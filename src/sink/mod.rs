@@ -14,9 +14,19 @@
 pub mod budget;
 #[cfg(test)]
 mod conformance;
+#[cfg(test)]
+mod fuzz;
+#[cfg(test)]
+mod hostile;
+pub mod nodes;
 pub mod publisher;
+pub mod refusals;
 pub mod replies;
+#[cfg(test)]
+mod scripted;
+mod unconfirmed;
 pub mod wire;
+pub use unconfirmed::Unconfirmed;
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -24,7 +34,9 @@ use std::time::Duration;
 use crate::config::{RabbitmqConfig, redact_url};
 use crate::message::{Envelope, MessageView};
 use crate::tls::{self, TlsFailure};
+use nodes::Nodes;
 use replies::Disposition;
+use tracing::{info, warn};
 use wire::{Event, Returned, Target, Wire, WireError};
 
 /// What went wrong on the broker side.
@@ -155,33 +167,70 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 pub struct AmqpSink {
     wire: Wire,
     url: String,
+    node: usize,
 }
 
 impl AmqpSink {
-    /// Connects, opens the publishing channel in confirm mode, and checks
-    /// that a fixed exchange exists.
-    pub async fn connect(cfg: &RabbitmqConfig) -> Result<AmqpSink, SinkError> {
-        let url = redact_url(cfg.url.expose());
+    /// Connects to the first node of `rabbitmq.url` that answers, in the
+    /// order `nodes` gives, opens the publishing channel in confirm mode,
+    /// and checks that a fixed exchange exists. `name` is the connection's
+    /// name in the broker's logs and management UI. When every node fails,
+    /// the error of a node that refused for good (credentials, TLS, a
+    /// missing exchange) comes first: retrying does not fix it.
+    pub async fn connect(
+        cfg: &RabbitmqConfig,
+        name: &str,
+        nodes: &Nodes,
+    ) -> Result<AmqpSink, SinkError> {
+        let several = cfg.urls.len() > 1;
+        let mut failed: Option<SinkError> = None;
+        for node in nodes.attempts() {
+            let url = redact_url(cfg.urls[node].expose());
+            match Self::connect_node(cfg, node, name).await {
+                Ok(sink) => {
+                    info!(node = %url, "connected to RabbitMQ");
+                    return Ok(sink);
+                }
+                Err(e) => {
+                    if several {
+                        warn!(node = %url, error = %e, "RabbitMQ node failed; trying the next");
+                    }
+                    if failed.as_ref().is_none_or(SinkError::is_transient) {
+                        failed = Some(e);
+                    }
+                }
+            }
+        }
+        Err(failed.expect("rabbitmq.url holds at least one URL"))
+    }
+
+    async fn connect_node(
+        cfg: &RabbitmqConfig,
+        node: usize,
+        name: &str,
+    ) -> Result<AmqpSink, SinkError> {
+        let secret = cfg.urls[node].expose();
+        let url = redact_url(secret);
         let amqp = |what, source| SinkError::Amqp {
             what,
             url: url.clone(),
             source,
         };
-        let uri = parse_amqp_url(cfg.url.expose())
+        let uri = parse_amqp_url(secret)
             .map_err(|e: String| amqp("parsing rabbitmq.url", WireError::Unsupported(e)))?;
-        // `ca_file` is set for every amqps:// URL (the configured CA, or
+        // `ca_file` is set when any URL is amqps:// (the configured CA, or
         // the system bundle), and trusted alone.
-        let tls = match cfg.ca_file.as_deref() {
-            Some(roots) => Some(
+        let tls = match (&uri.scheme, cfg.ca_file.as_deref()) {
+            (lapin::uri::AMQPScheme::AMQPS, Some(roots)) => Some(
                 tls::rabbitmq_client_config(roots)
                     .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?,
             ),
-            None => None,
+            _ => None,
         };
         let target = Target {
             uri,
             tls,
-            connection_name: "outbox-relay".into(),
+            connection_name: name.to_owned(),
         };
         let what = "connecting to RabbitMQ";
         let wire = match tokio::time::timeout(CALL_TIMEOUT, Wire::connect(&target)).await {
@@ -194,11 +243,21 @@ impl AmqpSink {
             }
             Ok(Ok(wire)) => wire,
         };
-        let mut sink = AmqpSink { wire, url };
+        let mut sink = AmqpSink { wire, url, node };
         if let Some(exchange) = cfg.exchange.as_literal() {
             sink.check_exchange(exchange).await?;
         }
         Ok(sink)
+    }
+
+    /// Which node of `rabbitmq.url` this is (an index into it).
+    pub fn node(&self) -> usize {
+        self.node
+    }
+
+    /// The node's URL, password masked.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     fn error(&self, what: &'static str, source: WireError) -> SinkError {
@@ -275,405 +334,5 @@ impl AmqpSink {
     }
 }
 
-/// Messages published and not yet answered, by delivery tag, oldest first.
-/// Tags are consecutive from 1 on a new connection; the broker may answer
-/// out of order (e.g. messages routed to different queues), singly or for
-/// every tag up to one (`multiple`).
-#[derive(Debug)]
-pub struct Unconfirmed<T> {
-    first_tag: u64,
-    slots: VecDeque<Option<Slot<T>>>,
-    live: usize,
-}
-
-#[derive(Debug)]
-struct Slot<T> {
-    item: T,
-    returned: Option<Box<Returned>>,
-}
-
-impl<T> Default for Unconfirmed<T> {
-    fn default() -> Self {
-        Unconfirmed {
-            first_tag: 1,
-            slots: VecDeque::new(),
-            live: 0,
-        }
-    }
-}
-
-impl<T> Unconfirmed<T> {
-    /// `item` was published as `tag` (tags come in increasing order).
-    pub fn push(&mut self, tag: u64, item: T) {
-        while self.first_tag + (self.slots.len() as u64) < tag {
-            self.slots.push_back(None);
-        }
-        self.slots.push_back(Some(Slot {
-            item,
-            returned: None,
-        }));
-        self.live += 1;
-    }
-
-    /// Messages waiting for an answer.
-    pub fn len(&self) -> usize {
-        self.live
-    }
-
-    /// True when nothing waits.
-    pub fn is_empty(&self) -> bool {
-        self.live == 0
-    }
-
-    /// The message that has waited longest.
-    pub fn oldest(&self) -> Option<&T> {
-        self.slots.iter().flatten().next().map(|s| &s.item)
-    }
-
-    /// Applies a broker answer: the messages it settles go to `out` in tag
-    /// order, with their outcome. `message_id` gives a message's
-    /// `message_id` property as published and `destination` its exchange
-    /// and routing key: a returned message is known by them (errors name
-    /// it).
-    pub fn apply(
-        &mut self,
-        ev: Event,
-        (message_id, destination): (
-            impl Fn(&T) -> Option<String>,
-            impl Fn(&T) -> (String, String),
-        ),
-        out: &mut Vec<(T, Result<(), SinkError>)>,
-    ) -> Result<(), SinkError> {
-        let protocol = |what: String| SinkError::Amqp {
-            what: "reading the broker's answers",
-            url: String::from("broker connection"),
-            source: WireError::Protocol(what),
-        };
-        match ev {
-            Event::Blocked(_) | Event::Drained => Ok(()),
-            Event::Returned(ret) => {
-                // A return carries no delivery tag: its message is known by
-                // message_id (and, among copies, by destination). Ids are
-                // meant to be unique, but nothing enforces it, and copies
-                // to the same destination may be routed differently
-                // (headers exchanges, CC/BCC, a binding removed between
-                // them): so the return marks the one candidate when there
-                // is one, else every candidate with its destination, else
-                // every one with its id. A copy that was routed is then
-                // published again (a duplicate), never one that was
-                // returned counted as delivered.
-                let dest = (ret.exchange.clone(), ret.routing_key.clone());
-                let mut candidates = Vec::new();
-                let mut seen = false;
-                for (i, s) in self.slots.iter().enumerate() {
-                    let Some(s) = s else { continue };
-                    if message_id(&s.item) != ret.message_id {
-                        continue;
-                    }
-                    seen = true;
-                    if s.returned.is_none() {
-                        candidates.push(i);
-                    }
-                }
-                if candidates.len() > 1 {
-                    let same_dest: Vec<usize> = candidates
-                        .iter()
-                        .copied()
-                        .filter(|&i| {
-                            self.slots[i]
-                                .as_ref()
-                                .is_some_and(|s| destination(&s.item) == dest)
-                        })
-                        .collect();
-                    if !same_dest.is_empty() {
-                        candidates = same_dest;
-                    }
-                }
-                for &i in &candidates {
-                    if let Some(s) = self.slots[i].as_mut() {
-                        s.returned = Some(Box::new(ret.clone()));
-                    }
-                }
-                if candidates.is_empty() && !seen {
-                    return Err(protocol(format!(
-                        "basic.return for a message not waiting for a confirm (message_id {:?})",
-                        ret.message_id
-                    )));
-                }
-                Ok(())
-            }
-            Event::Ack { tag, multiple } | Event::Nack { tag, multiple } => {
-                let acked = matches!(ev, Event::Ack { .. });
-                let end = self.first_tag + self.slots.len() as u64;
-                let last = if tag == 0 && multiple { end - 1 } else { tag };
-                if last >= end {
-                    return Err(protocol(format!(
-                        "basic.ack/nack for delivery tag {tag}, but only {} were published",
-                        end - 1
-                    )));
-                }
-                if last < self.first_tag {
-                    return Ok(()); // already answered
-                }
-                let upto = (last - self.first_tag) as usize + 1;
-                let from = if multiple { 0 } else { upto.saturating_sub(1) };
-                for slot in self.slots.range_mut(from..upto) {
-                    if let Some(Slot { item, returned }) = slot.take() {
-                        self.live -= 1;
-                        let res = match returned {
-                            Some(r) => Err(SinkError::Returned {
-                                id: r.message_id.unwrap_or_else(|| "?".into()),
-                                exchange: r.exchange,
-                                routing_key: r.routing_key,
-                                reply: r.reply_text,
-                            }),
-                            None if acked => Ok(()),
-                            None => Err(SinkError::Nacked {
-                                id: message_id(&item).unwrap_or_else(|| "?".into()),
-                            }),
-                        };
-                        out.push((item, res));
-                    }
-                }
-                while matches!(self.slots.front(), Some(None)) {
-                    self.slots.pop_front();
-                    self.first_tag += 1;
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn an_ip_address_in_the_url_is_the_host_connected_to() {
-        let host = |u: &str| parse_amqp_url(u).unwrap().authority.host;
-        assert_eq!(host("amqp://u:p@10.0.0.5:5673/v"), "10.0.0.5");
-        assert_eq!(host("amqp://[::1]/"), "::1");
-        assert_eq!(host("amqps://[2001:db8::7]:5671/%2f"), "2001:db8::7");
-        assert_eq!(host("amqp://rabbit.example/"), "rabbit.example");
-        assert_eq!(host("amqp://rabbit%2dx.example/"), "rabbit-x.example");
-        let uri = parse_amqp_url("amqp://u:p@127.0.0.2:5999/v?frame_max=4096").unwrap();
-        assert_eq!(uri.authority.port, 5999);
-        assert_eq!(uri.vhost, "v");
-        assert_eq!(uri.query.frame_max, Some(4096));
-    }
-
-    #[test]
-    fn the_missing_exchange_is_read_from_the_404() {
-        let closed = |code, text: &str| SinkError::Amqp {
-            what: "publishing",
-            url: String::new(),
-            source: WireError::ChannelClosed {
-                code,
-                text: text.to_owned(),
-            },
-        };
-        let e = closed(404, "NOT_FOUND - no exchange 'ex_it's' in vhost '/'");
-        assert_eq!(e.missing_exchange().as_deref(), Some("ex_it's"));
-        assert!(e.is_transient());
-        // Cut short by the broker (255 bytes): not guessed at, so permanent.
-        let e = closed(404, "NOT_FOUND - no exchange 'a-very-long-na...");
-        assert_eq!(e.missing_exchange(), None);
-        assert!(!e.is_transient());
-        let e = closed(404, "NOT_FOUND - no queue 'q' in vhost '/'");
-        assert_eq!(e.missing_exchange(), None);
-        assert_eq!(
-            closed(406, "no exchange 'x' in vhost '/'").missing_exchange(),
-            None
-        );
-    }
-
-    use super::*;
-
-    #[allow(clippy::ptr_arg)] // the item type is String
-    fn some(m: &String) -> Option<String> {
-        Some(m.clone())
-    }
-
-    fn ack(tag: u64, multiple: bool) -> Event {
-        Event::Ack { tag, multiple }
-    }
-
-    fn returned(id: &str) -> Event {
-        Event::Returned(Returned {
-            reply_code: 312,
-            reply_text: "NO_ROUTE".into(),
-            exchange: "ex".into(),
-            routing_key: "rk".into(),
-            message_id: Some(id.into()),
-        })
-    }
-
-    /// Messages "m1".."mN" published as tags 1..N.
-    fn published(n: u64) -> Unconfirmed<String> {
-        let mut u = Unconfirmed::default();
-        for tag in 1..=n {
-            u.push(tag, format!("m{tag}"));
-        }
-        u
-    }
-
-    fn dest(_: &String) -> (String, String) {
-        ("ex".into(), "rk".into())
-    }
-
-    fn apply(u: &mut Unconfirmed<String>, ev: Event) -> Vec<(String, Result<(), String>)> {
-        let mut out = Vec::new();
-        u.apply(ev, (some, dest), &mut out).unwrap();
-        out.into_iter()
-            .map(|(m, r)| (m, r.map_err(|e| e.to_string())))
-            .collect()
-    }
-
-    fn names(v: &[(String, Result<(), String>)]) -> Vec<&str> {
-        v.iter().map(|(m, _)| m.as_str()).collect()
-    }
-
-    #[test]
-    fn single_and_multiple_acks_settle_in_tag_order_out_of_order_too() {
-        let mut u = published(5);
-        let got = apply(&mut u, ack(3, false));
-        assert_eq!(names(&got), ["m3"]);
-        assert!(got[0].1.is_ok());
-        assert_eq!(u.oldest().map(String::as_str), Some("m1"));
-        assert_eq!(u.len(), 4);
-        let got = apply(&mut u, ack(4, true));
-        assert_eq!(names(&got), ["m1", "m2", "m4"]);
-        assert_eq!(u.oldest().map(String::as_str), Some("m5"));
-        // A repeated or stale answer settles nothing twice.
-        assert!(apply(&mut u, ack(4, true)).is_empty());
-        assert!(apply(&mut u, ack(2, false)).is_empty());
-        assert_eq!(names(&apply(&mut u, ack(5, false))), ["m5"]);
-        assert!(u.is_empty());
-        assert_eq!(u.oldest(), None);
-        // Tags go on from where they were.
-        u.push(6, "m6".into());
-        assert_eq!(names(&apply(&mut u, ack(6, false))), ["m6"]);
-    }
-
-    #[test]
-    fn a_nack_is_never_delivered() {
-        let mut u = published(3);
-        let got = apply(
-            &mut u,
-            Event::Nack {
-                tag: 2,
-                multiple: true,
-            },
-        );
-        assert_eq!(names(&got), ["m1", "m2"]);
-        for (m, r) in &got {
-            assert_eq!(r.as_ref().unwrap_err(), &format!("broker nacked event {m}"));
-        }
-        assert_eq!(u.len(), 1);
-    }
-
-    #[test]
-    fn a_returned_message_is_matched_by_id_and_its_ack_is_a_failure() {
-        let mut u = published(3);
-        assert!(apply(&mut u, returned("m2")).is_empty());
-        let got = apply(&mut u, ack(3, true));
-        assert_eq!(names(&got), ["m1", "m2", "m3"]);
-        assert!(got[0].1.is_ok() && got[2].1.is_ok());
-        let err = got[1].1.as_ref().unwrap_err();
-        assert!(err.contains("event m2 is unroutable"), "{err}");
-        assert!(err.contains("NO_ROUTE"), "{err}");
-    }
-
-    #[test]
-    fn a_return_for_no_waiting_message_ends_the_session() {
-        let mut u = published(2);
-        let mut out = Vec::new();
-        let e = u.apply(returned("m9"), (some, dest), &mut out).unwrap_err();
-        assert!(e.is_transient(), "{e}");
-        assert!(e.to_string().contains("m9"), "{e}");
-    }
-
-    #[test]
-    fn a_return_marks_every_copy_it_may_be_for() {
-        // Two copies of one message to the same place, one returned: which
-        // one is unknown, so both count as returned (the routed one is
-        // published again: a duplicate, never a loss).
-        let mut u = Unconfirmed::default();
-        for (tag, m) in [(1, "a"), (2, "dup"), (3, "dup")] {
-            u.push(tag, m.to_owned());
-        }
-        assert!(apply(&mut u, returned("dup")).is_empty());
-        let got = apply(&mut u, ack(3, true));
-        assert_eq!(names(&got), ["a", "dup", "dup"]);
-        assert!(
-            got[0].1.is_ok() && got[1].1.is_err() && got[2].1.is_err(),
-            "{got:?}"
-        );
-        // A return for an id whose messages are all returned: nothing new.
-        let mut u = published(1);
-        assert!(apply(&mut u, returned("m1")).is_empty());
-        assert!(apply(&mut u, returned("m1")).is_empty());
-    }
-
-    /// A routable message sharing its id with an unroutable one (another
-    /// routing key) is not taken for the returned one.
-    #[test]
-    fn a_routable_copy_with_the_same_id_is_not_returned() {
-        let mut u: Unconfirmed<(String, String)> = Unconfirmed::default();
-        u.push(1, ("dup".into(), "ok.key".into()));
-        u.push(2, ("dup".into(), "lost.key".into()));
-        let mut ret = returned("dup");
-        if let Event::Returned(r) = &mut ret {
-            r.routing_key = "lost.key".into();
-        }
-        let id = |m: &(String, String)| Some(m.0.clone());
-        let to = |m: &(String, String)| ("ex".to_owned(), m.1.clone());
-        let mut out = Vec::new();
-        u.apply(ret, (id, to), &mut out).unwrap();
-        u.apply(ack(2, true), (id, to), &mut out).unwrap();
-        assert!(out[0].1.is_ok(), "the routable copy: {:?}", out[0].1);
-        assert!(
-            matches!(out[1].1, Err(SinkError::Returned { .. })),
-            "{:?}",
-            out[1].1
-        );
-    }
-
-    #[test]
-    fn a_return_without_message_id_matches_messages_without_one() {
-        let mut u: Unconfirmed<Option<String>> = Unconfirmed::default();
-        u.push(1, Some("a".into()));
-        u.push(2, None);
-        let mut ret = returned("x");
-        if let Event::Returned(r) = &mut ret {
-            r.message_id = None;
-        }
-        let mut out = Vec::new();
-        let to = |_: &Option<String>| ("ex".to_owned(), "rk".to_owned());
-        u.apply(ret, (Option::clone, to), &mut out).unwrap();
-        u.apply(ack(2, true), (Option::clone, to), &mut out)
-            .unwrap();
-        assert!(out[0].1.is_ok());
-        assert!(
-            matches!(out[1].1, Err(SinkError::Returned { .. })),
-            "{:?}",
-            out[1].1
-        );
-    }
-
-    #[test]
-    fn an_answer_for_a_tag_never_published_ends_the_session() {
-        for multiple in [false, true] {
-            let mut u = published(3);
-            let mut out = Vec::new();
-            let e = u
-                .apply(ack(9, multiple), (some, dest), &mut out)
-                .unwrap_err();
-            assert!(e.to_string().contains("delivery tag 9"), "{e}");
-            assert!(out.is_empty(), "nothing settled");
-            assert_eq!(u.len(), 3);
-        }
-        // tag 0 with `multiple`: everything published so far.
-        let mut u = published(3);
-        assert_eq!(names(&apply(&mut u, ack(0, true))), ["m1", "m2", "m3"]);
-    }
-}
+mod tests;

@@ -6,7 +6,6 @@
 //! dead-lettering, so its transaction becomes durable only once the broker
 //! took *some* copy of it: on its exchange, or on the dead-letter exchange.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -19,8 +18,9 @@ use tracing::{error, info, warn};
 use tokio_util::sync::CancellationToken;
 
 use super::budget::ByteBudget;
+use super::refusals::{Head, Refusals};
 use super::{AmqpSink, SinkError, Unconfirmed};
-use crate::checkpoint::{Checkpoint, Seq};
+use crate::checkpoint::{Checkpoint, CheckpointError, Progress, Seq};
 use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
 use crate::message::{
@@ -30,7 +30,9 @@ use prometheus_client::metrics::counter::Counter;
 
 use crate::metrics::{Metrics, Outcome, OutcomeLabel, ReasonLabel, RetryReason};
 use crate::outbox::OutboxEvent;
-use crate::relay::RelayError;
+
+mod inflight;
+use inflight::*;
 
 /// One item from source to sink, in WAL order.
 #[derive(Debug)]
@@ -57,161 +59,42 @@ pub enum SinkItem {
     },
 }
 
-/// The durable position and the commit time of the transaction that made it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Progress {
-    /// Safe to report as flushed.
-    pub lsn: Lsn,
-    /// Commit time (µs since the Unix epoch) of the newest durable
-    /// transaction, if any in this session.
-    pub commit_time_us: Option<i64>,
+/// Why publishing stopped. The relay reports the broker's failures as its
+/// own `Sink` errors, the others as they are (see `crate::error::RelayError`).
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// Broker side.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// A row that cannot become a message, and no dead-letter exchange.
+    #[error(
+        "undeliverable event: {0}; set rabbitmq.dead_letter_exchange to dead-letter such events instead of stopping"
+    )]
+    Render(#[from] RenderError),
+    /// An event the broker will never take, and no dead-letter exchange.
+    #[error(
+        "undeliverable event {id}: {reason}; set rabbitmq.dead_letter_exchange to dead-letter such events instead of stopping"
+    )]
+    Undeliverable {
+        /// Event id.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+    /// The stream broke BEGIN/COMMIT order.
+    #[error("replication stream out of order: {0}")]
+    Order(#[from] CheckpointError),
 }
 
-/// What a message is published from.
-// Rows keep their columns inline (no allocation per event), and rows
-// are the common case: boxing them would add back the allocation.
-#[allow(clippy::large_enum_variant)]
-enum Content {
-    /// A decoded row. The first publish encodes it straight from the row
-    /// into the connection's write buffer; only a retry renders it into an
-    /// owned message.
-    Event(OutboxEvent),
-    /// A dead letter, fixed once built (cloned for each publish: rare).
-    DeadLetter(Box<Envelope>),
-}
-
-/// A message on its way: what to re-publish if it comes back.
-struct InFlight {
-    seq: Seq,
-    content: Content,
-    /// Publishes so far, this one included.
-    attempts: u32,
-    /// Body size, for the published-bytes counter.
-    body_bytes: usize,
-    /// Bytes it holds, counted against `rabbitmq.window_bytes`.
-    held: usize,
-    /// Commit time of its transaction (µs since the Unix epoch).
-    commit_time_us: i64,
-    published_at: Instant,
-}
-
-impl InFlight {
-    fn new(
-        seq: Seq,
-        content: Content,
-        (body_bytes, held): (usize, usize),
-        commit_time_us: i64,
-    ) -> InFlight {
-        InFlight {
-            held,
-            commit_time_us,
-            seq,
-            content,
-            attempts: 0,
-            body_bytes,
-            published_at: Instant::now(),
+impl PublishError {
+    /// Worth a new session (as `RelayError::is_transient` decides for it).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            PublishError::Sink(e) => e.is_transient(),
+            PublishError::Render(_) | PublishError::Undeliverable { .. } => false,
+            PublishError::Order(_) => true,
         }
     }
-
-    fn dead_letter(seq: Seq, commit_time_us: i64, dl: Envelope) -> InFlight {
-        let bytes = dl.body.len();
-        InFlight::new(
-            seq,
-            Content::DeadLetter(Box::new(dl)),
-            (bytes, bytes),
-            commit_time_us,
-        )
-    }
-
-    fn is_dead_letter(&self) -> bool {
-        matches!(self.content, Content::DeadLetter(_))
-    }
-
-    /// The `message_id` it is published with: the event id (a rendered
-    /// event always has one), or a dead letter's, which may have none.
-    fn message_id(&self) -> Option<String> {
-        match &self.content {
-            Content::Event(ev) => Some(event_id(ev)),
-            Content::DeadLetter(env) => env.properties.message_id().as_ref().map(|m| m.to_string()),
-        }
-    }
-
-    /// Where it is published: exchange and routing key (to tell which
-    /// message a return is for; only then, so it may allocate).
-    fn destination(&self) -> (String, String) {
-        match &self.content {
-            Content::Event(ev) => match view(ev) {
-                Ok(m) => (m.exchange.parts().concat(), m.routing_key.parts().concat()),
-                Err(_) => Default::default(),
-            },
-            Content::DeadLetter(env) => (env.exchange.to_string(), env.routing_key.to_string()),
-        }
-    }
-
-    /// The message, to publish it again.
-    fn envelope(&self) -> Result<Envelope, RelayError> {
-        match &self.content {
-            Content::Event(ev) => render(ev).map_err(RelayError::Render),
-            Content::DeadLetter(env) => Ok(Envelope::clone(env)),
-        }
-    }
-}
-
-/// How long the oldest unanswered message has waited, for the confirm
-/// timeout. Checked once a second; no timer per message. The oldest is
-/// watched, not the newest answer, so one stuck message is noticed even
-/// while the broker confirms others around it (confirms may come out of
-/// order, e.g. from different queues).
-struct ConfirmClock {
-    /// Waiting before this does not count: the broker blocked publishing
-    /// (a resource alarm), or this process did not run for a while (then
-    /// answers may be queued, unread).
-    counted_from: Instant,
-    last_check: Instant,
-}
-
-impl ConfirmClock {
-    /// A check comes every second; a longer gap means the process stalled.
-    const STALL: Duration = Duration::from_secs(3);
-
-    fn new() -> ConfirmClock {
-        let now = Instant::now();
-        ConfirmClock {
-            counted_from: now,
-            last_check: now,
-        }
-    }
-
-    /// Whether the oldest waiting message, published at `oldest`, has
-    /// waited `timeout` or more, counting only time the broker was free to
-    /// answer.
-    fn overdue(&mut self, oldest: Option<Instant>, blocked: bool, timeout: Duration) -> bool {
-        let now = Instant::now();
-        if blocked || now.duration_since(self.last_check) > Self::STALL {
-            self.counted_from = now;
-        }
-        self.last_check = now;
-        oldest.is_some_and(|at| now.duration_since(at.max(self.counted_from)) >= timeout)
-    }
-}
-
-/// Wall clock, µs since the Unix epoch (commit times are in these units).
-fn unix_now_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as i64)
-}
-
-async fn after(delay: Duration, f: InFlight) -> InFlight {
-    tokio::time::sleep(delay).await;
-    f
-}
-
-/// Delay before publish number `attempts + 1` of a message: doubling from
-/// the configured base, capped at 30 s.
-fn retry_delay(base: Duration, attempts: u32) -> Duration {
-    base.saturating_mul(1u32 << attempts.saturating_sub(1).min(16))
-        .min(Duration::from_secs(30))
 }
 
 /// The loop's state.
@@ -220,6 +103,8 @@ struct Publisher<'a> {
     published: Counter,
     dead_lettered: Counter,
     cfg: &'a RabbitmqConfig,
+    /// Each outbox's dead-letter exchange, by its index.
+    dead_letters: &'a [Option<String>],
     metrics: &'a Metrics,
     cp: Checkpoint,
     watermark: &'a watch::Sender<Progress>,
@@ -242,36 +127,6 @@ struct Publisher<'a> {
     budget: &'a ByteBudget,
 }
 
-/// What the broker refused in earlier sessions, for the next one to route
-/// around (see [`super::replies`]).
-#[derive(Debug, Default)]
-pub struct Refusals {
-    /// Templated exchanges the broker does not have: their events are
-    /// dead-lettered.
-    pub missing: HashSet<String>,
-    /// The broker's `max_message_size`, once it said so.
-    pub max_body: Option<usize>,
-    /// Events the broker kept refusing while they were the oldest
-    /// unconfirmed one, and why: they are dead-lettered.
-    pub poison: std::collections::HashMap<String, String>,
-    /// Publish one message at a time until this many were published, so
-    /// that the next refusal is blamed on the right message.
-    pub careful_for: u64,
-    /// Set when a session fails: what it was publishing.
-    pub head: std::sync::Mutex<Option<Head>>,
-}
-
-/// The oldest unconfirmed event of a session that failed.
-#[derive(Debug, Clone)]
-pub struct Head {
-    /// Its id.
-    pub id: String,
-    /// It was published alone: surely the one the broker refused.
-    pub alone: bool,
-    /// Events the session had published.
-    pub sent: u64,
-}
-
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
 
 /// Publishes of a message the broker keeps nacking before it is
@@ -280,45 +135,16 @@ type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
 /// drain, short enough that one message cannot hold the stream.
 const NACK_ATTEMPTS: u32 = 10;
 
-/// Longest `x-outbox-*` header text kept when a dead letter must shrink.
-const DEAD_LETTER_TEXT_MAX: usize = 1024;
-
-/// A dead letter the broker will take: its body within `max_body` (else
-/// dropped, its size kept in `x-outbox-body-bytes`), its properties within
-/// one frame (else only the `x-outbox-*` headers are kept, each cut to
-/// [`DEAD_LETTER_TEXT_MAX`]). A dead letter the broker refused would be
-/// replayed forever.
-fn fit_dead_letter(mut env: Envelope, frame_max: u32, max_body: usize) -> Envelope {
-    use lapin::types::{AMQPValue, FieldTable};
-    if env.body.len() > max_body {
-        env = env.without_body();
-    }
-    let fits = |e: &Envelope| super::wire::header_frame_len(&e.properties) <= frame_max as usize;
-    if fits(&env) {
-        return env;
-    }
-    let mut kept = FieldTable::default();
-    if let Some(headers) = env.properties.headers() {
-        for (k, v) in headers.inner() {
-            if !k.as_str().starts_with("x-outbox-") {
-                continue;
-            }
-            let v = match v {
-                AMQPValue::LongString(s) if s.as_bytes().len() > DEAD_LETTER_TEXT_MAX => {
-                    let text = String::from_utf8_lossy(&s.as_bytes()[..DEAD_LETTER_TEXT_MAX]);
-                    AMQPValue::LongString(format!("{text}...").into())
-                }
-                other => other.clone(),
-            };
-            kept.insert(k.clone(), v);
+impl<'a> Publisher<'a> {
+    /// The dead-letter exchange of events of `outbox` (`None`: they stop
+    /// the relay instead).
+    fn dlx(&self, outbox: usize) -> Option<&'a str> {
+        match self.dead_letters.get(outbox) {
+            Some(d) => d.as_deref(),
+            None => self.cfg.dead_letter_exchange.as_deref(),
         }
     }
-    kept.insert("x-outbox-headers-dropped".into(), AMQPValue::Boolean(true));
-    env.properties = env.properties.with_headers(kept);
-    env
-}
 
-impl Publisher<'_> {
     /// Largest body sent: `rabbitmq.max_message_bytes`, or the broker's own
     /// limit when it said it is lower.
     fn max_body(&self) -> usize {
@@ -343,15 +169,14 @@ impl Publisher<'_> {
     /// relay when there is none.
     fn dead_letter(
         &self,
-        seq: Seq,
-        commit_time_us: i64,
+        f: &InFlight,
         env: Envelope,
         reason: &str,
-        attempts: u32,
-    ) -> Result<InFlight, RelayError> {
-        let Some(dlx) = &self.cfg.dead_letter_exchange else {
+    ) -> Result<InFlight, PublishError> {
+        let (seq, commit_time_us, attempts) = (f.seq, f.commit_time_us, f.attempts);
+        let Some(dlx) = self.dlx(f.outbox()) else {
             error!(event_id = %env.id(), reason, "undeliverable event and no dead-letter exchange; stopping");
-            return Err(RelayError::Undeliverable {
+            return Err(PublishError::Undeliverable {
                 id: env.id().to_owned(),
                 reason: reason.to_owned(),
             });
@@ -369,7 +194,7 @@ impl Publisher<'_> {
         sink: &mut AmqpSink,
         ev: OutboxEvent,
         bytes: usize,
-    ) -> Result<(), RelayError> {
+    ) -> Result<(), PublishError> {
         let seq = self.cp.publish()?;
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
@@ -395,7 +220,7 @@ impl Publisher<'_> {
         &self,
         ev: &'e OutboxEvent,
         frame_max: u32,
-    ) -> Result<Result<MessageView<'e>, Envelope>, RelayError> {
+    ) -> Result<Result<MessageView<'e>, Envelope>, PublishError> {
         // The broker would close the connection over a content header that
         // does not fit in a frame (and again on every replay): refuse it
         // here, and dead-letter it without its headers.
@@ -410,9 +235,9 @@ impl Publisher<'_> {
         let m = match m {
             Ok(m) => m,
             Err(e) => {
-                let Some(dlx) = &self.cfg.dead_letter_exchange else {
+                let Some(dlx) = self.dlx(ev.outbox) else {
                     error!(error = %e, "undeliverable event and no dead-letter exchange; stopping");
-                    return Err(RelayError::Render(e));
+                    return Err(PublishError::Render(e));
                 };
                 error!(event_id = %event_id(ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
                 let dl = dead_letter_unrenderable(ev, &e, dlx);
@@ -427,8 +252,8 @@ impl Publisher<'_> {
         };
         if !self.refusals.poison.is_empty() {
             if let Some(reason) = self.refusals.poison.get(m.message_id) {
-                let Some(dlx) = &self.cfg.dead_letter_exchange else {
-                    return Err(RelayError::Undeliverable {
+                let Some(dlx) = self.dlx(ev.outbox) else {
+                    return Err(PublishError::Undeliverable {
                         id: m.message_id.to_owned(),
                         reason: reason.clone(),
                     });
@@ -447,8 +272,8 @@ impl Publisher<'_> {
                     "exchange {exchange:?} does not exist on the broker (404 NOT_FOUND); declare \
                      it, or fix rabbitmq.exchange"
                 );
-                let Some(dlx) = &self.cfg.dead_letter_exchange else {
-                    return Err(RelayError::Undeliverable {
+                let Some(dlx) = self.dlx(ev.outbox) else {
+                    return Err(PublishError::Undeliverable {
                         id: m.message_id.to_owned(),
                         reason,
                     });
@@ -459,8 +284,8 @@ impl Publisher<'_> {
         }
         let limit = self.max_body();
         if m.body.len() > limit {
-            let Some(dlx) = &self.cfg.dead_letter_exchange else {
-                return Err(RelayError::Undeliverable {
+            let Some(dlx) = self.dlx(ev.outbox) else {
+                return Err(PublishError::Undeliverable {
                     id: m.message_id.to_owned(),
                     reason: format!(
                         "body of {} bytes exceeds rabbitmq.max_message_bytes ({limit})",
@@ -479,7 +304,7 @@ impl Publisher<'_> {
         &mut self,
         mut f: InFlight,
         res: Result<(), SinkError>,
-    ) -> Result<Option<(Duration, InFlight)>, RelayError> {
+    ) -> Result<Option<(Duration, InFlight)>, PublishError> {
         match res {
             Ok(()) => {
                 self.metrics
@@ -523,7 +348,7 @@ impl Publisher<'_> {
                         f.attempts
                     );
                     let env = f.envelope()?;
-                    let dl = self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
+                    let dl = self.dead_letter(&f, env, &reason)?;
                     self.held = self.held - f.held + dl.held;
                     return Ok(Some((Duration::ZERO, dl)));
                 }
@@ -548,13 +373,13 @@ impl Publisher<'_> {
                     if f.is_dead_letter() {
                         return Err(SinkError::DeadLetterRefused {
                             id,
-                            exchange: self.cfg.dead_letter_exchange.clone().unwrap_or_default(),
+                            exchange: f.destination().0,
                             reason,
                         }
                         .into());
                     }
                     let env = f.envelope()?;
-                    let dl = self.dead_letter(f.seq, f.commit_time_us, env, &reason, f.attempts)?;
+                    let dl = self.dead_letter(&f, env, &reason)?;
                     self.held = self.held - f.held + dl.held;
                     return Ok(Some((Duration::ZERO, dl)));
                 }
@@ -579,7 +404,7 @@ impl Publisher<'_> {
         sink: &mut AmqpSink,
         mut f: InFlight,
         env: Envelope,
-    ) -> Result<(), RelayError> {
+    ) -> Result<(), PublishError> {
         let env = if f.is_dead_letter() {
             fit_dead_letter(env, sink.frame_max(), self.max_body())
         } else {
@@ -592,7 +417,7 @@ impl Publisher<'_> {
     }
 
     /// A broker answer: settle what it answers, schedule retries.
-    fn on_answer(&mut self, ev: super::wire::Event) -> Result<(), RelayError> {
+    fn on_answer(&mut self, ev: super::wire::Event) -> Result<(), PublishError> {
         let mut settled = std::mem::take(&mut self.settled);
         self.unconfirmed.apply(
             ev,
@@ -609,7 +434,7 @@ impl Publisher<'_> {
     }
 
     /// A new item from the source, in WAL order.
-    fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), RelayError> {
+    fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), PublishError> {
         match item {
             SinkItem::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
             SinkItem::Event(ev) => {
@@ -643,6 +468,10 @@ impl Publisher<'_> {
 /// them and looks at the broker's answers.
 const BATCH: usize = 256;
 
+/// The tags between the oldest unanswered message and the newest stay
+/// within this many windows.
+const SPAN_WINDOWS: usize = 4;
+
 /// Runs until `items` closes and every message is settled (or the shutdown
 /// grace period ends), or until a failure.
 ///
@@ -653,11 +482,16 @@ pub async fn run(
     sink: &mut AmqpSink,
     mut items: mpsc::Receiver<SinkItem>,
     watermark: &watch::Sender<Progress>,
-    (cfg, refusals, budget): (&RabbitmqConfig, &Refusals, &ByteBudget),
+    (cfg, dead_letters, refusals, budget): (
+        &RabbitmqConfig,
+        &[Option<String>],
+        &Refusals,
+        &ByteBudget,
+    ),
     start: Lsn,
     metrics: &Metrics,
     stop: &CancellationToken,
-) -> Result<(), RelayError> {
+) -> Result<(), PublishError> {
     let outcome = |outcome| {
         metrics
             .events
@@ -668,6 +502,7 @@ pub async fn run(
         published: outcome(Outcome::published),
         dead_lettered: outcome(Outcome::dead_lettered),
         cfg,
+        dead_letters,
         metrics,
         cp: Checkpoint::new(start),
         watermark,
@@ -695,7 +530,7 @@ pub async fn run(
         }
         Some(Instant::now() + cfg.shutdown_grace)
     };
-    let r: Result<(), RelayError> = async {
+    let r: Result<(), PublishError> = async {
         loop {
             if !open && p.cp.in_flight() == 0 {
                 return Ok(());
@@ -722,6 +557,10 @@ pub async fn run(
                 open && !blocked
                     && p.cp.in_flight() < window
                     && (p.held < cfg.window_bytes || p.cp.in_flight() == 0)
+                    // One message left unanswered while the rest are
+                    // confirmed must not grow the tag list without bound:
+                    // publishing pauses, and the confirm deadline ends it.
+                    && p.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
                     && !sink.wants_flush()
             };
             // Priorities: broker answers first (they free the window and move
@@ -800,117 +639,4 @@ pub async fn run(
 }
 
 #[cfg(test)]
-mod tests {
-
-    /// A dead letter too big for a frame keeps only its x-outbox-* headers,
-    /// cut short; one with a body over the limit goes without it.
-    #[test]
-    fn dead_letters_are_made_to_fit() {
-        use lapin::BasicProperties;
-        use lapin::types::{AMQPValue, FieldTable};
-        let mut headers = FieldTable::default();
-        headers.insert(
-            "pad".into(),
-            AMQPValue::LongString("p".repeat(200_000).into()),
-        );
-        let env = Envelope {
-            exchange: "ex".into(),
-            routing_key: "rk".into(),
-            body: bytes::Bytes::from(vec![b'x'; 5000]),
-            properties: BasicProperties::default()
-                .with_message_id("id".into())
-                .with_headers(headers),
-        };
-        let dl = env.dead_letter("dlx", &"why ".repeat(1000), 1);
-        let fitted = fit_dead_letter(dl, 131_072, 4096);
-        assert!(super::super::wire::header_frame_len(&fitted.properties) <= 131_072);
-        assert!(fitted.body.is_empty());
-        let h = fitted.properties.headers().clone().unwrap();
-        assert!(h.inner().get("pad").is_none());
-        assert!(matches!(
-            h.inner().get("x-outbox-headers-dropped"),
-            Some(AMQPValue::Boolean(true))
-        ));
-        assert!(matches!(
-            h.inner().get("x-outbox-body-bytes"),
-            Some(AMQPValue::LongLongInt(5000))
-        ));
-        match h.inner().get("x-outbox-error") {
-            Some(AMQPValue::LongString(s)) => {
-                assert!(s.as_bytes().len() <= DEAD_LETTER_TEXT_MAX + 3)
-            }
-            other => panic!("{other:?}"),
-        }
-        // A small one is left as it is.
-        let small = Envelope {
-            exchange: "ex".into(),
-            routing_key: "rk".into(),
-            body: bytes::Bytes::from_static(b"{}"),
-            properties: BasicProperties::default(),
-        }
-        .dead_letter("dlx", "why", 1);
-        let same = fit_dead_letter(small.clone(), 131_072, 4096);
-        assert_eq!(same.properties, small.properties);
-        assert_eq!(same.body, small.body);
-    }
-    use super::*;
-
-    #[tokio::test(start_paused = true)]
-    async fn the_oldest_waiting_message_times_out() {
-        let timeout = Duration::from_secs(5);
-        let mut c = ConfirmClock::new();
-        let first = Instant::now();
-        for _ in 0..5 {
-            tokio::time::advance(Duration::from_millis(900)).await;
-            assert!(!c.overdue(Some(first), false, timeout));
-        }
-        // It has waited 4.5 s; at 5.4 s it is overdue.
-        tokio::time::advance(Duration::from_millis(900)).await;
-        assert!(c.overdue(Some(first), false, timeout));
-        assert!(!c.overdue(None, false, timeout), "nothing waits");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn alarm_and_stall_time_do_not_count() {
-        let timeout = Duration::from_secs(5);
-        let mut c = ConfirmClock::new();
-        let first = Instant::now();
-        for _ in 0..10 {
-            tokio::time::advance(Duration::from_secs(1)).await;
-            assert!(!c.overdue(Some(first), true, timeout), "blocked");
-        }
-        for _ in 0..4 {
-            tokio::time::advance(Duration::from_secs(1)).await;
-            assert!(!c.overdue(Some(first), false, timeout));
-        }
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(c.overdue(Some(first), false, timeout), "5 s unblocked");
-
-        // A process stall longer than a few checks restarts the count.
-        let mut c = ConfirmClock::new();
-        let first = Instant::now();
-        tokio::time::advance(Duration::from_secs(60)).await;
-        assert!(
-            !c.overdue(Some(first), false, timeout),
-            "first check after a stall"
-        );
-        for _ in 0..4 {
-            tokio::time::advance(Duration::from_secs(1)).await;
-            assert!(!c.overdue(Some(first), false, timeout));
-        }
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(
-            c.overdue(Some(first), false, timeout),
-            "5 s counted since the stall"
-        );
-    }
-
-    #[test]
-    fn retry_delay_doubles_and_caps() {
-        let b = Duration::from_millis(100);
-        assert_eq!(retry_delay(b, 1), Duration::from_millis(100));
-        assert_eq!(retry_delay(b, 2), Duration::from_millis(200));
-        assert_eq!(retry_delay(b, 4), Duration::from_millis(800));
-        assert_eq!(retry_delay(b, 40), Duration::from_secs(30));
-    }
-}
+mod tests;

@@ -39,7 +39,7 @@ pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
         403 => Disposition::Stop,
         // "vhost 'v' is down", "connection limit (n) is reached": wait;
         // "vhost v not found", "access to vhost 'v' refused": fix it.
-        530 if text.contains("is down") || text.contains("limit") => Disposition::Transient,
+        530 if passing(text) => Disposition::Transient,
         530 => Disposition::Stop,
         404 => match missing_exchange(text) {
             Some(x) if channel => Disposition::MissingExchange(x),
@@ -52,6 +52,20 @@ pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
         501 | 502 | 503 | 505 | 540 => Disposition::HeadOfWindow,
         _ => Disposition::Transient,
     }
+}
+
+/// A 530 that passes: "vhost V is down", "connection limit (N) is reached
+/// for vhost 'V'", "User connection limit (N) is reached". Read without
+/// the names the broker quotes (a vhost named 'ratelimit' is no limit).
+fn passing(text: &str) -> bool {
+    let mut plain = String::with_capacity(text.len());
+    for (i, part) in text.split('\'').enumerate() {
+        if i % 2 == 0 {
+            plain.push_str(part);
+        }
+    }
+    plain.trim_end().ends_with(" is down")
+        || (plain.contains("limit (") && plain.contains(") is reached"))
 }
 
 /// "NOT_FOUND - no exchange 'X' in vhost 'V'": X. A text the broker cut
@@ -110,10 +124,21 @@ mod tests {
             Disposition::Stop
         );
         assert_eq!(d(403, "ACCESS_REFUSED"), Disposition::Stop);
-        assert_eq!(
-            d(530, "NOT_ALLOWED - vhost v is down"),
-            Disposition::Transient
-        );
+        for passing in [
+            "NOT_ALLOWED - vhost v is down",
+            "NOT_ALLOWED - connection limit (10) is reached for vhost 'v'",
+            "NOT_ALLOWED - Connection refused for user 'u'. User connection limit (5) is reached",
+        ] {
+            assert_eq!(d(530, passing), Disposition::Transient, "{passing}");
+        }
+        for lasting in [
+            "NOT_ALLOWED - access to vhost 'ratelimit' refused for user 'relay'",
+            "NOT_ALLOWED - access to vhost 'is down' refused for user 'relay'",
+            "NOT_ALLOWED - vhost a-limit-b not found",
+            "NOT_ALLOWED - vhost is down now not found",
+        ] {
+            assert_eq!(d(530, lasting), Disposition::Stop, "{lasting}");
+        }
         for code in [501, 502, 503, 505, 540] {
             assert_eq!(d(code, ""), Disposition::HeadOfWindow, "{code}");
         }

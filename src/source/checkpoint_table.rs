@@ -8,8 +8,8 @@
 use tokio_postgres::Client;
 
 use super::{SourceError, sql_err};
+use crate::checkpoint::Progress;
 use crate::config::Config;
-use crate::sink::publisher::Progress;
 
 /// DDL of the checkpoint table (also in `sql/checkpoint.sql`): created, and
 /// brought up to date when an older version made it. The columns are added
@@ -26,13 +26,14 @@ pub fn create_sql(cfg: &Config) -> String {
            written_at       timestamptz NOT NULL DEFAULT now()\n);\n\
          DO $outbox_relay$ BEGIN\n\
            IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass \
-                          AND attname = 'recovery_done' AND NOT attisdropped) THEN\n\
+                          AND attname = 'system_identifier' AND NOT attisdropped) THEN\n\
              ALTER TABLE {t}\n  \
                ADD COLUMN IF NOT EXISTS longest_tx_secs        float8,\n  \
                ADD COLUMN IF NOT EXISTS recovery_since         timestamptz,\n  \
                ADD COLUMN IF NOT EXISTS recovery_after_created timestamptz,\n  \
                ADD COLUMN IF NOT EXISTS recovery_after_id      text,\n  \
-               ADD COLUMN IF NOT EXISTS recovery_done          bigint;\n\
+               ADD COLUMN IF NOT EXISTS recovery_done          bigint,\n  \
+               ADD COLUMN IF NOT EXISTS system_identifier      text;\n\
            END IF;\n\
          END $outbox_relay$"
     )
@@ -139,20 +140,45 @@ pub async fn set_recovery(
     Ok(())
 }
 
-/// Records `p` for the configured slot.
-pub async fn write(client: &Client, cfg: &Config, p: Progress) -> Result<(), SourceError> {
+/// Records `p` for the configured slot, written on the cluster
+/// `system_id`. A table made before it recorded the cluster gets the rest.
+pub async fn write(
+    client: &Client,
+    cfg: &Config,
+    p: Progress,
+    system_id: &str,
+) -> Result<(), SourceError> {
+    let t = cfg.postgres.checkpoint_table.quoted();
     let sql = format!(
-        "INSERT INTO {} (slot_name, confirmed_lsn, last_commit_time, written_at) \
-         VALUES ($1, $2::text::pg_lsn, to_timestamp($3::float8 / 1e6), now()) \
+        "INSERT INTO {t} (slot_name, confirmed_lsn, last_commit_time, written_at, system_identifier) \
+         VALUES ($1, $2::text::pg_lsn, to_timestamp($3::float8 / 1e6), now(), $4) \
          ON CONFLICT (slot_name) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, \
-         last_commit_time = EXCLUDED.last_commit_time, written_at = EXCLUDED.written_at",
-        cfg.postgres.checkpoint_table.quoted()
+         last_commit_time = EXCLUDED.last_commit_time, written_at = EXCLUDED.written_at, \
+         system_identifier = EXCLUDED.system_identifier"
     );
     let commit_us = p.commit_time_us.map(|t| t as f64);
-    client
-        .execute(&sql, &[&cfg.postgres.slot, &p.lsn.to_string(), &commit_us])
-        .await
-        .map_err(sql_err(&cfg.postgres, "writing the checkpoint"))?;
+    let lsn = p.lsn.to_string();
+    let r = client
+        .execute(&sql, &[&cfg.postgres.slot, &lsn, &commit_us, &system_id])
+        .await;
+    match r {
+        // 42703: no such column (`setup` not run since upgrading).
+        Err(e) if e.code().is_some_and(|c| c.code() == "42703") => {
+            let sql = format!(
+                "INSERT INTO {t} (slot_name, confirmed_lsn, last_commit_time, written_at) \
+                 VALUES ($1, $2::text::pg_lsn, to_timestamp($3::float8 / 1e6), now()) \
+                 ON CONFLICT (slot_name) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, \
+                 last_commit_time = EXCLUDED.last_commit_time, written_at = EXCLUDED.written_at"
+            );
+            client
+                .execute(&sql, &[&cfg.postgres.slot, &lsn, &commit_us])
+                .await
+                .map_err(sql_err(&cfg.postgres, "writing the checkpoint"))?;
+        }
+        r => {
+            r.map_err(sql_err(&cfg.postgres, "writing the checkpoint"))?;
+        }
+    }
     Ok(())
 }
 
@@ -173,6 +199,9 @@ pub struct Recorded {
     /// The longest-running transaction the relay has seen, in seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub longest_tx_secs: Option<f64>,
+    /// The cluster it was written on (`None` before the table recorded it).
+    #[serde(skip)]
+    pub system_identifier: Option<String>,
 }
 
 /// Reads the checkpoint of the configured slot; `None` if none was recorded
@@ -184,7 +213,8 @@ pub async fn read(client: &Client, cfg: &Config) -> Result<Option<Recorded>, Sou
                 (extract(epoch FROM last_commit_time) * 1e6)::bigint, \
                 to_char(written_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
                 extract(epoch FROM now() - written_at)::float8, \
-                (to_jsonb(c) ->> 'longest_tx_secs')::float8 \
+                (to_jsonb(c) ->> 'longest_tx_secs')::float8, \
+                to_jsonb(c) ->> 'system_identifier' \
          FROM {} c WHERE slot_name = $1",
         cfg.postgres.checkpoint_table.quoted()
     );
@@ -196,6 +226,7 @@ pub async fn read(client: &Client, cfg: &Config) -> Result<Option<Recorded>, Sou
             written_at: r.get(3),
             age_seconds: r.get(4),
             longest_tx_secs: r.get(5),
+            system_identifier: r.get(6),
         })),
         // 42P01: the table does not exist (setup not run since upgrading).
         Err(e) if e.code().is_some_and(|c| c.code() == "42P01") => Ok(None),

@@ -3,6 +3,7 @@
 
 pub mod checkpoint_table;
 pub mod longest_tx;
+pub mod resume;
 pub mod silence;
 pub mod slot;
 
@@ -43,6 +44,12 @@ pub enum SourceError {
     /// The server ended the stream.
     #[error("replication stream ended by the server")]
     Ended,
+    /// The replication connection reached another server, or another
+    /// timeline, than the SQL connection just did (a failover under way).
+    #[error(
+        "the replication connection reached {0}, not the server the SQL connection reached (a failover under way?)"
+    )]
+    Moved(String),
     /// The stream said nothing, not even to a probe, for this long: a
     /// stopped walsender or a dead connection.
     #[error(
@@ -53,6 +60,19 @@ pub enum SourceError {
     /// Something the operator must fix (missing slot, wrong settings...).
     #[error("{0}")]
     Setup(String),
+    /// The slot is missing or invalidated: its events since the last
+    /// confirmed position can only be re-published from the outbox table.
+    #[error("{0}")]
+    SlotLost(String),
+    /// A recovery of this slot is recorded and not finished (another
+    /// relay's, or `outbox-relay recover`'s, or one left half way): its
+    /// rows go out before anything is streamed, or per-aggregate order
+    /// would break. `run` finishes it (or waits for whoever holds it).
+    #[error(
+        "a recovery of replication slot {0:?} is under way (recorded in the checkpoint table): \
+         it is finished before streaming"
+    )]
+    RecoveryPending(String),
     /// The slot is in use by another process.
     #[error("replication slot {slot:?} is active for PID {pid} (another relay?)")]
     SlotBusy {
@@ -95,16 +115,21 @@ impl SourceError {
                 }
             }
             SourceError::Ended
+            | SourceError::Moved(_)
             | SourceError::Stalled(_)
             | SourceError::SlotBusy { .. }
             | SourceError::Timeout(_) => true,
-            SourceError::Setup(_) | SourceError::Stream(_) => false,
+            // Not retried by a session: `run` goes back to finishing it.
+            SourceError::RecoveryPending(_) => false,
+            SourceError::Setup(_) | SourceError::SlotLost(_) | SourceError::Stream(_) => false,
         }
     }
 }
 
 /// Deadline for opening a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Deadline for reaching each host of a list.
+const HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Opens a SQL connection; its driver task runs until the client is dropped.
 pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
@@ -123,10 +148,20 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
             .keepalives_interval(Duration::from_secs(5))
             .keepalives_retries(3);
     }
+    // Each host gets its own connect deadline (a host that drops packets
+    // would otherwise use up the whole attempt before the next is tried),
+    // unless the URL chose one.
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(HOST_CONNECT_TIMEOUT);
+    }
+    let deadline = CONNECT_TIMEOUT.max(
+        *pg.get_connect_timeout().expect("set") * pg.get_hosts().len() as u32
+            + Duration::from_secs(5),
+    );
     let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
         .map_err(|e| SourceError::Setup(format!("postgres.ca_file: {e}")))?;
     let fut = pg.connect(connector);
-    let (client, conn) = match tokio::time::timeout(CONNECT_TIMEOUT, fut).await {
+    let (client, conn) = match tokio::time::timeout(deadline, fut).await {
         Ok(r) => r.map_err(|source| match TlsFailure::find(&source) {
             Some(f) if f.is_permanent() => {
                 SourceError::Setup(tls::postgres_failure(&f, &redact_url(url), cfg.sslmode))
@@ -168,11 +203,44 @@ pub fn sql_err(
     move |source| SourceError::Sql { what, url, source }
 }
 
-/// Starts streaming from the slot at its confirmed position, reporting
-/// `confirmed` as flushed until the relay reports more.
+/// Starts streaming from the slot at `start` (a position known confirmed,
+/// see [`resume`]), reporting it as flushed until the relay reports more.
+/// The servers of `postgres.url` are tried in order; the stream opens on
+/// the first that answers, is `server` when given (same cluster, same
+/// timeline: the one the SQL connection read), and is the primary when the
+/// URL asks for `target_session_attrs=read-write`.
 pub async fn start_replication(
     cfg: &PostgresConfig,
-    confirmed: Lsn,
+    start: Lsn,
+    server: Option<&resume::Server>,
+    buffer_events: usize,
+) -> Result<ReplicationClient, SourceError> {
+    // When every server fails, a refusal for good (credentials, TLS, no
+    // slot) is what the operator must see; it only ends the attempt when
+    // no other server took the stream (pg_hba.conf and certificates differ
+    // between servers).
+    let mut failed: Option<SourceError> = None;
+    for target in &cfg.targets {
+        match open_replication(cfg, target, start, server, buffer_events).await {
+            Ok(client) => return Ok(client),
+            Err(e) => {
+                if cfg.targets.len() > 1 {
+                    tracing::debug!(server = %target, error = %e, "not streaming from this server");
+                }
+                if failed.as_ref().is_none_or(SourceError::is_transient) {
+                    failed = Some(e);
+                }
+            }
+        }
+    }
+    Err(failed.expect("postgres.url names at least one server"))
+}
+
+async fn open_replication(
+    cfg: &PostgresConfig,
+    target: &PgTarget,
+    start: Lsn,
+    server: Option<&resume::Server>,
     buffer_events: usize,
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
@@ -185,16 +253,15 @@ pub async fn start_replication(
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = pg.get_dbname().unwrap_or(&user).to_owned();
-    let tls_config =
-        tls::postgres_replication_tls_for(cfg.sslmode, cfg.ca_file.as_deref(), &cfg.target)
-            .await
-            .map_err(SourceError::Setup)?;
-    // The same server as the SQL connection: `hostaddr` when the URL gives
-    // one (the name is still what the certificate is checked against).
+    let tls_config = tls::postgres_replication_tls_for(cfg.sslmode, cfg.ca_file.as_deref(), target)
+        .await
+        .map_err(SourceError::Setup)?;
+    // `hostaddr` when the URL gives one (the name is still what the
+    // certificate is checked against).
     // pgoutput reads publication_names as a list of identifiers: quoted,
     // `OutboxPub` stays mixed-case and `a,b` stays one name.
     let (slot, publication) = (cfg.slot.clone(), quote_ident(&cfg.publication));
-    let base = match &cfg.target {
+    let base = match target {
         PgTarget::Unix { dir, port } => ReplicationConfig::unix(
             dir.display().to_string(),
             *port,
@@ -211,22 +278,45 @@ pub async fn start_replication(
     };
     let rc = base
         .with_tls(tls_config)
-        .with_start_lsn(pgwire_replication::Lsn::from_u64(0))
-        .with_ack_lsn(confirmed.into())
+        .with_start_lsn(start.into())
+        .with_ack_lsn(start.into())
         .with_status_interval(cfg.status_interval)
         .with_wakeup_interval(Duration::from_secs(10))
         .with_buffer_size(buffer_events)
         .with_application_name("outbox-relay");
     // `connect` only spawns the worker: wait until the server accepted
     // START_REPLICATION, so that TLS, authentication and slot errors surface
-    // here, where they can be explained.
+    // here, where they can be explained. Before it, on the same session:
+    // is this the server the SQL connection read, and the primary?
     let open = async {
-        let mut client = ReplicationClient::connect(rc).await?;
+        let mut client = ReplicationClient::connect_gated(rc).await?;
+        if let Some(server) = server {
+            let id = client.identify_system().await?;
+            if id.system_id != server.system_id || id.timeline != server.timeline {
+                return Ok(Err(SourceError::Moved(format!(
+                    "{target} (system {} timeline {})",
+                    id.system_id, id.timeline
+                ))));
+            }
+        }
+        if cfg.read_write {
+            let rows = client.simple_query("SELECT pg_is_in_recovery()").await?;
+            let standby = rows
+                .first()
+                .and_then(|r| r.first())
+                .and_then(|v| v.as_deref())
+                != Some(b"f".as_slice());
+            if standby {
+                return Ok(Err(SourceError::Moved(format!("{target}, a standby"))));
+            }
+        }
+        client.start().await?;
         client.wait_started().await?;
-        Ok(client)
+        Ok::<_, pgwire_replication::PgWireError>(Ok(client))
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
-        Ok(r) => r.map_err(|source| match &source {
+        Ok(Ok(r)) => r,
+        Ok(Err(source)) => Err(match &source {
             pgwire_replication::PgWireError::Tls(msg)
                 if TlsFailure::from_text(msg).is_permanent() =>
             {

@@ -3,7 +3,7 @@
 use tokio_postgres::Client;
 
 use super::{SourceError, sql_err};
-use crate::config::{Config, quote_ident};
+use crate::config::{Config, OutboxConfig, TableName, quote_ident};
 use crate::lsn::Lsn;
 use crate::outbox::OutboxOids;
 
@@ -60,10 +60,12 @@ pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>
 pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceError> {
     let slot = &cfg.postgres.slot;
     let info = slot_info(client, cfg).await?.ok_or_else(|| {
-        SourceError::Setup(format!(
+        SourceError::SlotLost(format!(
             "replication slot {slot:?} does not exist (postgres.slot): on a first start, create it with \
-             `outbox-relay setup`; if it existed and was dropped, run `outbox-relay recover` to recreate it \
-             and re-publish the outbox rows written since the last checkpoint"
+             `outbox-relay setup`; if it existed and was dropped (or the database failed over to a \
+             standby, which PostgreSQL before 17 does not give the slot), run `outbox-relay recover` \
+             to recreate it and re-publish the outbox rows written since the last checkpoint, or set \
+             postgres.on_slot_lost = \"recover\" to have `run` do it"
         ))
     })?;
     if info.plugin.as_deref() != Some("pgoutput") {
@@ -87,7 +89,7 @@ pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceErr
         )));
     }
     if info.wal_status.as_deref() == Some("lost") {
-        return Err(SourceError::Setup(format!(
+        return Err(SourceError::SlotLost(format!(
             "replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed. \
              Events committed since its last confirmed position cannot be replayed from WAL; \
              run `outbox-relay recover` to recreate the slot and re-publish the outbox rows written since \
@@ -105,6 +107,61 @@ pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceErr
             "replication slot {slot:?} has no confirmed_flush_lsn; is it a logical slot?"
         ))
     })
+}
+
+/// How `setup` (and `recover`) make the slot on a server of
+/// `server_version_num`. From PostgreSQL 17 a slot can be a failover slot:
+/// a standby with `sync_replication_slots = on` keeps a copy, and after a
+/// promotion the relay streams on from it, with nothing to re-publish.
+pub fn create_slot_sql(version_num: i32) -> &'static str {
+    if version_num >= 170_000 {
+        // (name, plugin, temporary, twophase, failover)
+        "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+    } else {
+        "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
+    }
+}
+
+/// What `check` says about surviving a failover with the slot, on a
+/// server of `version_num` whose slot has `failover` (17+, `None` before)
+/// and whose `sync_replication_slots` is `sync` (17+, this server: it
+/// matters on the standby).
+pub fn failover_note(
+    version_num: i32,
+    failover: Option<bool>,
+    sync: Option<&str>,
+) -> (bool, String) {
+    if version_num < 170_000 {
+        return (
+            false,
+            format!(
+                "PostgreSQL {} does not carry logical slots to a standby: after a failover the slot \
+                 is gone and the outbox rows since the last checkpoint must be re-published \
+                 (`outbox-relay recover`, or postgres.on_slot_lost = \"recover\")",
+                version_num / 10_000
+            ),
+        );
+    }
+    match (failover, sync) {
+        (Some(true), Some("on")) => (
+            true,
+            "a failover slot, and this server syncs slots (sync_replication_slots = on)".into(),
+        ),
+        (Some(true), _) => (
+            true,
+            "a failover slot: a standby with sync_replication_slots = on (and \
+             hot_standby_feedback, a physical slot named in primary_slot_name) keeps it \
+             through a promotion; name that physical slot in the primary's \
+             synchronized_standby_slots, or the relay may confirm what the standby never got"
+                .into(),
+        ),
+        _ => (
+            false,
+            "not a failover slot (made before PostgreSQL 17, or by hand): recreate it with \
+             `outbox-relay setup` after dropping it, or it is lost at a failover"
+                .into(),
+        ),
+    }
 }
 
 /// Refuses when `wal_level` is not `logical`.
@@ -134,9 +191,12 @@ pub async fn require_logical_wal(client: &Client, cfg: &Config) -> Result<(), So
 pub async fn outbox_oids(
     client: &Client,
     cfg: &Config,
+    outbox: &OutboxConfig,
     known: Option<&OutboxOids>,
-) -> Result<OutboxOids, SourceError> {
-    let table = &cfg.outbox.table;
+) -> Result<Option<OutboxOids>, SourceError> {
+    let Some(table) = outbox.table() else {
+        return Ok(None);
+    };
     // pg_partition_tree lists nothing for a table that is not partitioned.
     let row = client
         .query_opt(
@@ -149,10 +209,10 @@ pub async fn outbox_oids(
         .await
         .map_err(sql_err(&cfg.postgres, "looking up the outbox table"))?;
     if let Some(row) = row {
-        return Ok(OutboxOids {
+        return Ok(Some(OutboxOids {
             root: row.get(0),
             partitions: row.get(1),
-        });
+        }));
     }
     if let Some(known) = known {
         let renamed: Option<String> = client
@@ -168,15 +228,43 @@ pub async fn outbox_oids(
                 table = %now,
                 configured = %table,
                 "the outbox table was renamed; following it by its relation id until the relay \
-                 restarts (update outbox.table)"
+                 restarts (update {})",
+                outbox.key_of("table")
             );
-            return Ok(known.clone());
+            return Ok(Some(known.clone()));
         }
     }
+    let key = outbox.key_of("table");
     Err(SourceError::Setup(format!(
-        "outbox table {table} does not exist (outbox.table); if it was renamed, set \
-         outbox.table to its new name"
+        "outbox table {table} does not exist ({key}); if it was renamed, set {key} to its new \
+         name"
     )))
+}
+
+/// Two outboxes on one partition tree (a table and one of its partitions)
+/// would claim the same rows twice: refused, naming both.
+pub fn check_overlap(cfg: &Config, oids: &[Option<OutboxOids>]) -> Result<(), SourceError> {
+    let all = |o: &OutboxOids| {
+        let mut v = o.partitions.clone();
+        v.push(o.root);
+        v
+    };
+    for (i, a) in oids.iter().enumerate() {
+        for (j, b) in oids.iter().enumerate().skip(i + 1) {
+            if let (Some(a), Some(b)) = (a, b) {
+                let (a, b) = (all(a), all(b));
+                if a.iter().any(|x| b.contains(x)) {
+                    return Err(SourceError::Setup(format!(
+                        "{} and {} are the same table or partitions of one another: list the \
+                         partitioned table once (its partitions' rows are relayed as its own)",
+                        cfg.outboxes[i].key_of("table"),
+                        cfg.outboxes[j].key_of("table"),
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether the publication publishes inserts, and covers the outbox table
@@ -218,10 +306,33 @@ async fn publication_state(
 pub async fn require_publication(
     client: &Client,
     cfg: &Config,
+    oids: &[Option<OutboxOids>],
+) -> Result<(), SourceError> {
+    let pg = &cfg.postgres;
+    for (outbox, oids) in cfg.outboxes.iter().zip(oids) {
+        if let (Some(table), Some(oids)) = (outbox.table(), oids) {
+            require_publication_of(client, cfg, table, oids).await?;
+        }
+    }
+    // Table-less outboxes need the publication too: pgoutput starts from it.
+    if cfg.outboxes.iter().all(|o| o.table().is_none())
+        && publication_state(client, cfg, 0).await?.is_none()
+    {
+        return Err(SourceError::Setup(format!(
+            "publication {:?} does not exist (postgres.publication); run `outbox-relay setup`",
+            pg.publication
+        )));
+    }
+    Ok(())
+}
+
+async fn require_publication_of(
+    client: &Client,
+    cfg: &Config,
+    table: &TableName,
     oids: &OutboxOids,
 ) -> Result<(), SourceError> {
     let pg = &cfg.postgres;
-    let table = &cfg.outbox.table;
     match publication_state(client, cfg, oids.root).await? {
         Some((true, true)) => Ok(()),
         None => Err(SourceError::Setup(format!(
@@ -247,51 +358,91 @@ pub struct SetupReport {
     pub created_publication: bool,
     /// The slot was created now.
     pub created_slot: bool,
+    /// Outbox tables added to an existing publication now.
+    pub added_tables: Vec<String>,
 }
 
 /// Creates the publication and the slot when missing; checks them when present.
 pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceError> {
     require_logical_wal(client, cfg).await?;
     let pg = &cfg.postgres;
-    let table = &cfg.outbox.table;
     let mut report = SetupReport::default();
-
-    let exists = client
+    let tables: Vec<(&OutboxConfig, &TableName)> = cfg
+        .outboxes
+        .iter()
+        .filter_map(|o| Some((o, o.table()?)))
+        .collect();
+    let mut roots = Vec::new();
+    let mut all_oids = Vec::new();
+    for (outbox, table) in &tables {
+        let exists = client
         .query_opt("SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2",
             &[&table.schema, &table.name])
         .await
         .map_err(sql_err(pg, "looking up the outbox table"))?;
-    if exists.is_none() {
-        return Err(SourceError::Setup(format!(
-            "outbox table {table} does not exist (outbox.table); create it first, e.g. with sql/outbox.sql"
-        )));
-    }
-
-    let root = outbox_oids(client, cfg, None).await?.root;
-    match publication_state(client, cfg, root).await? {
-        None => {
-            let sql = format!(
-                "CREATE PUBLICATION {} FOR TABLE {} \
-                 WITH (publish = 'insert', publish_via_partition_root = true)",
-                quote_ident(&pg.publication),
-                table.quoted()
-            );
-            client
-                .batch_execute(&sql)
-                .await
-                .map_err(sql_err(pg, "creating the publication"))?;
-            report.created_publication = true;
-        }
-        Some((true, true)) => {}
-        Some(_) => {
+        if exists.is_none() {
             return Err(SourceError::Setup(format!(
-                "publication {:?} exists but does not publish inserts into {table} (postgres.publication); \
-                 drop it or run: ALTER PUBLICATION {} ADD TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
-                pg.publication,
-                quote_ident(&pg.publication),
-                table.quoted(),
-                quote_ident(&pg.publication),
+                "outbox table {table} does not exist ({}); create it first, e.g. with sql/outbox.sql",
+                outbox.key_of("table")
             )));
+        }
+        let oids = outbox_oids(client, cfg, outbox, None).await?;
+        roots.push((*table, oids.as_ref().map_or(0, |o| o.root)));
+        all_oids.push((*table, oids));
+    }
+    let aligned: Vec<Option<OutboxOids>> = (cfg.outboxes.iter())
+        .map(|o| {
+            let t = o.table()?;
+            all_oids
+                .iter()
+                .find(|(n, _)| *n == t)
+                .and_then(|(_, x)| x.clone())
+        })
+        .collect();
+    check_overlap(cfg, &aligned)?;
+
+    let publication = quote_ident(&pg.publication);
+    if publication_state(client, cfg, 0).await?.is_none() {
+        // Every outbox table in one publication; none at all for table-less
+        // outboxes only (logical messages do not go through publications).
+        let list: Vec<String> = tables.iter().map(|(_, t)| t.quoted()).collect();
+        let for_tables = if list.is_empty() {
+            String::new()
+        } else {
+            format!(" FOR TABLE {}", list.join(", "))
+        };
+        let sql = format!(
+            "CREATE PUBLICATION {publication}{for_tables} \
+             WITH (publish = 'insert', publish_via_partition_root = true)"
+        );
+        client
+            .batch_execute(&sql)
+            .await
+            .map_err(sql_err(pg, "creating the publication"))?;
+        report.created_publication = true;
+    }
+    for (table, root) in roots {
+        match publication_state(client, cfg, root).await? {
+            Some((true, true)) => {}
+            Some((true, false)) => {
+                // An outbox added to the config since the publication was
+                // made: its inserts are published from this WAL position on.
+                client
+                    .batch_execute(&format!(
+                        "ALTER PUBLICATION {publication} ADD TABLE {}",
+                        table.quoted()
+                    ))
+                    .await
+                    .map_err(sql_err(pg, "adding an outbox table to the publication"))?;
+                report.added_tables.push(table.to_string());
+            }
+            _ => {
+                return Err(SourceError::Setup(format!(
+                    "publication {:?} exists but does not publish inserts (postgres.publication); \
+                     drop it or run: ALTER PUBLICATION {publication} SET (publish = 'insert')",
+                    pg.publication,
+                )));
+            }
         }
     }
 
@@ -312,11 +463,13 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
 
     match slot_info(client, cfg).await? {
         None => {
+            let version: i32 = client
+                .query_one("SELECT current_setting('server_version_num')::int", &[])
+                .await
+                .map_err(sql_err(pg, "reading server_version_num"))?
+                .get(0);
             client
-                .query_one(
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&pg.slot],
-                )
+                .query_one(create_slot_sql(version), &[&pg.slot])
                 .await
                 .map_err(sql_err(pg, "creating the replication slot"))?;
             report.created_slot = true;
@@ -331,4 +484,22 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
         Some(_) => {}
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This machine has PostgreSQL 15 only: the 17+ branch is shown here.
+    #[test]
+    fn failover_slots_from_postgresql_17() {
+        assert!(!create_slot_sql(150_004).contains("true"));
+        assert!(create_slot_sql(170_000).ends_with("false, false, true)"));
+        let (ok, note) = failover_note(150_004, None, None);
+        assert!(!ok && note.contains("PostgreSQL 15") && note.contains("on_slot_lost"));
+        assert!(failover_note(170_002, Some(true), Some("on")).0);
+        let (ok, note) = failover_note(170_002, Some(true), Some("off"));
+        assert!(ok && note.contains("sync_replication_slots"));
+        assert!(!failover_note(170_002, Some(false), None).0);
+    }
 }

@@ -514,7 +514,7 @@ pub async fn both_connections_with(
     cfg.write(&url, &pg_extra, "amqp://guest:guest@127.0.0.1:1/%2f", "");
     let c = cfg.load_with(env).unwrap();
     let sql = connect_sql(&c.postgres).await;
-    let repl = start_replication(&c.postgres, Lsn(0), 16).await;
+    let repl = start_replication(&c.postgres, Lsn(0), None, 16).await;
     let result = match (&sql, &repl) {
         (Ok(_), Ok(_)) => {
             let ssl = walsender_ssl(pg, &pg_extra).await;

@@ -1,0 +1,216 @@
+# shellcheck shell=bash
+# PostgreSQL primary/standby pairs for the failover tests: sourced by
+# servers.sh (whose header lists the `pgha` commands), never run alone.
+#
+# `servers.sh pgha up NAME` makes a fresh pair under $OUTBOX_IT_DIR/pgha-NAME
+# (a test stops and promotes its servers, so each test makes its own):
+#   env       TEST_PGHA_PRIMARY_URL, TEST_PGHA_STANDBY_URL
+#                 postgres://postgres:postgres@127.0.0.1:PORT/postgres
+#             TEST_PGHA_URL
+#                 postgres://postgres:postgres@127.0.0.1:P1,127.0.0.1:P2/postgres
+#                 (primary first; add target_session_attrs=read-write to
+#                 connect to whichever of the two accepts writes)
+#             TEST_PGHA_CTL   "<servers.sh> pgha NAME"
+#   primary/  a server set up as the shared one (pg_init: wal_level=logical,
+#             the same pg_hba.conf...), its port in primary/port
+#   standby/  pg_basebackup -R of the primary: a hot standby streaming over
+#             TCP through the physical slot pgha_standby (so the primary
+#             keeps the WAL a stopped standby has yet to receive)
+# The standby is a physical copy: what the primary has (tables, the
+# publication, roles) it has too once replayed (`catchup` waits for that:
+# replication is asynchronous), except replication slots, which a test must
+# create again after promoting it. "primary" and "standby" name the two
+# servers as made; after `promote`, both accept writes if the old primary is
+# started again (nothing rewinds it).
+
+PGHA_SLOT=pgha_standby
+
+# psql on ROLE (primary or standby) of pair H, over its private socket.
+pgha_psql() {
+    local h=$1 role=$2
+    shift 2
+    as_postgres "$(pg_bin)/psql" -h "$h/$role/pgsock" -p "$(cat "$h/$role/port")" \
+        -U postgres -d postgres -X -A -t -q -v ON_ERROR_STOP=1 "$@"
+}
+
+# Wait until ROLE answers SQL with "t".
+pgha_wait_for() {
+    local h=$1 role=$2 sql=$3 what=$4 deadline=$((SECONDS + START_TIMEOUT))
+    until [[ $(pgha_psql "$h" "$role" -c "$sql" 2>/dev/null) == t ]]; do
+        ((SECONDS < deadline)) || die "pgha $h: the $role is not $what after ${START_TIMEOUT}s"
+        sleep 0.2
+    done
+}
+
+pgha_wait_streaming() {
+    pgha_wait_for "$1" primary "SELECT EXISTS (SELECT FROM pg_stat_replication r
+        JOIN pg_replication_slots s ON s.active_pid = r.pid
+        WHERE s.slot_name = '$PGHA_SLOT' AND r.state = 'streaming')" "streaming to the standby"
+}
+
+pgha_in_recovery() { [[ $(pgha_psql "$1" "$2" -c 'SELECT pg_is_in_recovery()' 2>/dev/null) == t ]]; }
+
+pgha_create() {
+    local h=$1 name=$2 ports pport sport bin
+    bin=$(pg_bin)
+    ports=$(pick_ports "$h" 2)
+    read -r pport sport <<<"$ports"
+    mkdir "$h/primary" "$h/standby"
+    echo "$pport" >"$h/primary/port"
+    echo "$sport" >"$h/standby/port"
+
+    pg_init "$h/primary" "$pport"
+    pg_start "$h/primary" 9>&-
+
+    local s=$h/standby
+    install -d -o postgres -g postgres -m 700 "$s/pg"
+    install -d -o postgres -g postgres -m 755 "$s/pgsock"
+    install -o postgres -g postgres -m 644 /dev/null "$s/pg.log"
+    # Over TCP with a password, as a standby of a real primary; -R writes
+    # standby.signal and primary_conninfo, -C -S the slot it streams from.
+    if ! as_postgres "$bin/pg_basebackup" -D "$s/pg" -R -C -S "$PGHA_SLOT" \
+        -X stream -c fast --no-sync \
+        -d "host=127.0.0.1 port=$pport user=postgres password=postgres" \
+        >"$s/basebackup.log" 2>&1; then
+        cat "$s/basebackup.log" >&2
+        die "pg_basebackup failed"
+    fi
+    # The copied postgresql.conf is the primary's: appended last, these win.
+    cat >>"$s/pg/postgresql.conf" <<EOF
+
+# ---- pgha standby (integration/pgha.sh) ----
+port = $sport
+unix_socket_directories = '$s/pgsock'
+hot_standby = on
+# Reconnect soon after the primary is back.
+wal_retrieve_retry_interval = 1s
+EOF
+    pg_start "$s" 9>&-
+    pgha_wait_streaming "$h"
+
+    local url=postgres://postgres:postgres@127.0.0.1
+    {
+        emit TEST_PGHA_PRIMARY_URL "$url:$pport/postgres"
+        emit TEST_PGHA_STANDBY_URL "$url:$sport/postgres"
+        emit TEST_PGHA_URL "$url:$pport,127.0.0.1:$sport/postgres"
+        emit TEST_PGHA_CTL "$SELF pgha $name"
+    } >"$h/env"
+}
+
+# Stop both servers and delete the pair (a no-op without one).
+pgha_down() {
+    local h=$1 role
+    [[ -d $h ]] || return 0
+    for role in standby primary; do
+        if [[ -d $h/$role/pg ]]; then pg_stop "$h/$role" immediate; fi
+    done
+    release_ports "$h"
+    rm -rf "$h"
+}
+
+# For `servers.sh down`: once no command is at work on it (an `up` being
+# interrupted undoes itself first), stop and delete each pair of DIR.
+pgha_teardown() {
+    local dir=$1 h
+    for h in "$dir"/pgha-*/; do
+        [[ -d $h ]] || continue
+        h=${h%/}
+        (
+            flock -w 60 9 || log "warning: a pgha command still holds $h.lock"
+            pgha_down "$h"
+        ) 9>>"$h.lock"
+    done
+}
+
+PGHA_ABORT=""
+pgha_abort() {
+    [[ -z $PGHA_ABORT ]] || pgha_down "$PGHA_ABORT"
+}
+
+pgha_up() {
+    local h=$1 name=$2 started=$SECONDS
+    mkdir "$h" 2>/dev/null || die "$h exists: each test makes a pair of its own (or: pgha $name down)"
+    PGHA_ABORT=$h
+    trap pgha_abort EXIT
+    pgha_create "$h" "$name"
+    trap - EXIT
+    PGHA_ABORT=""
+    log "pgha $name up in $((SECONDS - started))s ($h)"
+}
+
+pgha_status() {
+    local h=$1 role rc=0 state
+    for role in primary standby; do
+        if ! pg_running "$h/$role"; then
+            state=stopped rc=1
+        elif pgha_in_recovery "$h" "$role"; then
+            state="running, in recovery (a standby)"
+        else
+            state="running, accepts writes"
+        fi
+        printf '%-8s 127.0.0.1:%s  %s\n' "$role" "$(cat "$h/$role/port")" "$state"
+    done
+    if pg_running "$h/primary" && ! pgha_in_recovery "$h" primary; then
+        pgha_psql "$h" primary -c "SELECT 'standby ' || r.state || ', replay lag '
+            || coalesce((pg_current_wal_lsn() - r.replay_lsn)::text, '?') || ' bytes'
+            FROM pg_stat_replication r JOIN pg_replication_slots s ON s.active_pid = r.pid
+            WHERE s.slot_name = '$PGHA_SLOT'" 2>/dev/null || true
+    fi
+    return "$rc"
+}
+
+cmd_pgha() {
+    local dir=${OUTBOX_IT_DIR:?OUTBOX_IT_DIR is not set (source DIR/env first)}
+    local name sub
+    # `pgha up NAME`, as well as `pgha NAME up` like the other commands.
+    if [[ ${1:-} == up ]]; then
+        name=${2:-} sub=up
+        shift 2 || true
+    else
+        name=${1:-} sub=${2:-}
+        shift 2 || true
+    fi
+    local usage="usage: servers.sh pgha up NAME | pgha NAME stop|start|kill primary|standby | pgha NAME catchup|promote|status|down"
+    [[ $name =~ ^[A-Za-z0-9_.-]+$ && $name != up ]] || die "$usage"
+    local h=$dir/pgha-$name role=${1:-}
+    case $sub in
+        stop | start | kill) [[ $role == primary || $role == standby ]] || die "$usage" ;;
+        up | catchup | promote | status | down) ;;
+        *) die "$usage" ;;
+    esac
+    [[ $sub == up || $sub == down || -f $h/env ]] || die "no pgha pair $name under $dir (servers.sh pgha up $name)"
+    # One command at a time on a pair. Servers started while the lock is
+    # held must not inherit fd 9 (they would hold it as long as they run).
+    exec 9>>"$h.lock"
+    flock -w 600 9 || die "timed out waiting for $h.lock"
+    case $sub in
+        up) pgha_up "$h" "$name" ;;
+        down) pgha_down "$h" ;;
+        stop) pg_stop "$h/$role" fast ;;
+        kill) pg_stop "$h/$role" immediate ;;
+        start)
+            pg_start "$h/$role" 9>&-
+            # The pair is whole again once the standby streams (if it can).
+            if pg_running "$h/primary" && pg_running "$h/standby" && pgha_in_recovery "$h" standby; then
+                pgha_wait_streaming "$h"
+            fi
+            ;;
+        catchup)
+            { pg_running "$h/primary" && pg_running "$h/standby"; } ||
+                die "pgha $name: catchup needs both servers running"
+            pgha_in_recovery "$h" standby || die "pgha $name: the standby was promoted"
+            local lsn
+            lsn=$(pgha_psql "$h" primary -c 'SELECT pg_current_wal_insert_lsn()')
+            pgha_wait_for "$h" standby "SELECT pg_last_wal_replay_lsn() >= '$lsn'" "caught up with the primary"
+            ;;
+        promote)
+            pg_running "$h/standby" || die "pgha $name: the standby is not running"
+            if pgha_in_recovery "$h" standby; then
+                pg_ctl_ "$h/standby" promote -w -t "$START_TIMEOUT" -s ||
+                    die "pgha $name: pg_ctl promote failed (see $h/standby/pg.log)"
+            fi
+            pgha_wait_for "$h" standby 'SELECT NOT pg_is_in_recovery()' "accepting writes"
+            ;;
+        status) pgha_status "$h" ;;
+    esac
+}

@@ -1,0 +1,411 @@
+//! The outbox checks: the publication covers every outbox table, each table has its columns.
+
+use super::*;
+
+/// One column of the outbox table.
+pub(super) struct TableColumn {
+    name: String,
+    type_oid: u32,
+    type_name: String,
+    not_null: bool,
+}
+
+/// `None` when the table does not exist; else its kind and columns.
+pub(super) async fn table_columns(
+    client: &Client,
+    t: &TableName,
+) -> Result<Option<(String, Vec<TableColumn>)>, CheckError> {
+    let Some(kind) = client
+        .query_opt(
+            "SELECT c.relkind::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2",
+            &[&t.schema, &t.name],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let rows = client
+        .query(
+            "SELECT a.attname::text, a.atttypid::oid, format_type(a.atttypid, a.atttypmod), \
+             a.attnotnull FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
+             ORDER BY a.attnum",
+            &[&t.schema, &t.name],
+        )
+        .await?;
+    let columns = rows
+        .iter()
+        .map(|r| TableColumn {
+            name: r.get(0),
+            type_oid: r.get(1),
+            type_name: r.get(2),
+            not_null: r.get(3),
+        })
+        .collect();
+    Ok(Some((kind.get(0), columns)))
+}
+
+/// Required columns, by config key: `run` cannot map a row without them.
+pub(super) fn required_columns(o: &OutboxConfig) -> Vec<(String, &str)> {
+    let c = &o.columns;
+    vec![
+        (o.key_of("id"), c.id.as_str()),
+        (o.key_of("aggregate_type"), c.aggregate_type.as_str()),
+        (o.key_of("aggregate_id"), c.aggregate_id.as_str()),
+        (o.key_of("event_type"), c.event_type.as_str()),
+        (o.key_of("payload"), c.payload.as_str()),
+    ]
+}
+
+/// Columns the exchange and routing key templates read, with their key.
+pub(super) fn template_columns(o: &OutboxConfig) -> Vec<(&'static str, &str)> {
+    let cols = &o.columns;
+    o.exchange
+        .columns()
+        .map(|c| ("the exchange", cols.resolve(c)))
+        .chain(
+            o.routing_key
+                .columns()
+                .map(|c| ("the routing key", cols.resolve(c))),
+        )
+        .collect()
+}
+
+/// A table-less outbox: nothing to check in the database, and one thing to
+/// know.
+pub(super) fn message_outbox(o: &OutboxConfig) -> Line {
+    Line::warn(
+        format!("outbox {} ({})", o.key, o.source),
+        "table-less: its events live only in the WAL the slot retains. A lost slot (a failover \
+         before PostgreSQL 17, max_slot_wal_keep_size exceeded) loses them, and `recover` cannot \
+         re-publish what was never stored: on PostgreSQL 17+ use failover slots \
+         (sync_replication_slots on the standby), and keep max_slot_wal_keep_size generous",
+    )
+}
+
+pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckError> {
+    let pg = &cfg.postgres;
+    let tables: Vec<(&OutboxConfig, &TableName)> = (cfg.outboxes.iter())
+        .filter_map(|o| Some((o, o.table()?)))
+        .collect();
+    let all_quoted = (tables.iter().map(|(_, t)| t.quoted()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let what = format!("publication {:?}", pg.publication);
+    let pub_q = quote_ident(&pg.publication);
+    let Some(row) = client
+        .query_opt(
+            "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
+            &[&pg.publication],
+        )
+        .await?
+    else {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "does not exist (postgres.publication): run `outbox-relay setup`, or \
+                 CREATE PUBLICATION {pub_q}{} \
+                 WITH (publish = 'insert', publish_via_partition_root = true)",
+                if tables.is_empty() {
+                    String::new()
+                } else {
+                    format!(" FOR TABLE {all_quoted}")
+                }
+            ),
+        )]);
+    };
+    let inserts: bool = row.get(0);
+    let via_root: bool = row.get(1);
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .get(0);
+    let mut problems = Vec::new();
+    let mut lines = Vec::new();
+    if !inserts {
+        problems.push(format!(
+            "does not publish inserts: ALTER PUBLICATION {pub_q} SET (publish = 'insert')"
+        ));
+    }
+    let mut any_partitioned = false;
+    for (o, t) in &tables {
+        let partitioned = publication_covers(
+            client,
+            (pg, &pub_q, &what),
+            (o, t),
+            (version, via_root),
+            (&mut problems, &mut lines),
+        )
+        .await?;
+        any_partitioned |= partitioned;
+    }
+    // Anything else it publishes would stop the relay at its first INSERT.
+    let schemas: Vec<&str> = tables.iter().map(|(_, t)| t.schema.as_str()).collect();
+    let names: Vec<&str> = tables.iter().map(|(_, t)| t.name.as_str()).collect();
+    let others: Vec<String> = client
+        .query_one(
+            "SELECT ARRAY(SELECT format('%I.%I', pt.schemaname, pt.tablename) \
+             FROM pg_publication_tables pt JOIN pg_namespace n ON n.nspname = pt.schemaname \
+             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+             WHERE pt.pubname = $1 AND c.oid <> ALL (ARRAY( \
+               SELECT r.oid FROM pg_class r JOIN pg_namespace rn ON rn.oid = r.relnamespace \
+               JOIN unnest($2::text[], $3::text[]) o(s, t) ON rn.nspname = o.s AND r.relname = o.t \
+               UNION ALL SELECT p.relid::oid FROM pg_class r \
+               JOIN pg_namespace rn ON rn.oid = r.relnamespace \
+               JOIN unnest($2::text[], $3::text[]) o(s, t) ON rn.nspname = o.s AND r.relname = o.t \
+               CROSS JOIN LATERAL pg_partition_tree(r.oid) p)) ORDER BY 1 LIMIT 5)",
+            &[&pg.publication, &schemas, &names],
+        )
+        .await?
+        .get(0);
+    if !others.is_empty() {
+        problems.push(format!(
+            "also publishes {}: an INSERT into any of them stops the relay (it never skips a \
+             change); publish only the outboxes: ALTER PUBLICATION {pub_q} SET TABLE {all_quoted}",
+            others.join(", "),
+        ));
+    }
+    if problems.is_empty() {
+        let via = match (any_partitioned, tables.len()) {
+            (false, _) => "",
+            (true, 1) => " (partitioned, via its root)",
+            (true, _) => " (partitioned tables via their root)",
+        };
+        let into = if tables.is_empty() {
+            "exists (the outboxes are table-less: logical messages need no table)".to_owned()
+        } else {
+            format!(
+                "publishes inserts into {}{via}",
+                (tables.iter().map(|(_, t)| t.to_string()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        lines.insert(0, Line::ok(what, into));
+    } else {
+        lines.insert(0, Line::fail(what, problems.join("; ")));
+    }
+    Ok(lines)
+}
+
+/// The publication's hold on one outbox table: covered, all mapped columns
+/// published, no row filter. Returns whether the table is partitioned.
+pub(super) async fn publication_covers(
+    client: &Client,
+    (pg, pub_q, what): (&crate::config::PostgresConfig, &str, &str),
+    (o, t): (&OutboxConfig, &TableName),
+    (version, via_root): (i32, bool),
+    (problems, lines): (&mut Vec<String>, &mut Vec<Line>),
+) -> Result<bool, CheckError> {
+    // PostgreSQL 15 added column lists and row filters.
+    let covered = if version >= 150_000 {
+        client
+            .query_opt(
+                "SELECT attnames::text[], rowfilter FROM pg_publication_tables \
+                 WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                &[&pg.publication, &t.schema, &t.name],
+            )
+            .await?
+            .map(|r| {
+                (
+                    r.get::<_, Option<Vec<String>>>(0),
+                    r.get::<_, Option<String>>(1),
+                )
+            })
+    } else {
+        client
+            .query_opt(
+                "SELECT 1 FROM pg_publication_tables \
+                 WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                &[&pg.publication, &t.schema, &t.name],
+            )
+            .await?
+            .map(|_| (None, None))
+    };
+    let table = table_columns(client, t).await?;
+    let partitioned = matches!(&table, Some((kind, _)) if kind == "p");
+    match (&covered, &table) {
+        (None, Some(_)) if partitioned && !via_root => problems.push(format!(
+            "publishes the partitions of {t} under their own names: \
+             ALTER PUBLICATION {pub_q} SET (publish_via_partition_root = true)"
+        )),
+        (None, None) => problems.push(format!(
+            "does not cover {t}, which does not exist (see the outbox table check)"
+        )),
+        (None, Some(_)) => problems.push(format!(
+            "does not cover {t}: ALTER PUBLICATION {pub_q} ADD TABLE {}",
+            t.quoted()
+        )),
+        (Some((attnames, rowfilter)), table) => {
+            if let (Some(attnames), Some((_, columns))) = (attnames, table) {
+                // Mapped columns the table has but the column list leaves out.
+                let mut left_out: Vec<&str> = Vec::new();
+                for c in required_columns(o)
+                    .into_iter()
+                    .map(|(_, c)| c)
+                    .chain(template_columns(o).into_iter().map(|(_, c)| c))
+                    .chain([o.columns.headers.as_str()])
+                {
+                    if columns.iter().any(|tc| tc.name == c)
+                        && !attnames.iter().any(|a| a == c)
+                        && !left_out.contains(&c)
+                    {
+                        left_out.push(c);
+                    }
+                }
+                if !left_out.is_empty() {
+                    problems.push(format!(
+                        "its column list for {t} leaves out {}: publish all columns with \
+                         ALTER PUBLICATION {pub_q} SET TABLE {}",
+                        left_out.join(", "),
+                        t.quoted()
+                    ));
+                }
+            }
+            if let Some(filter) = rowfilter {
+                lines.push(Line::warn(
+                    what.to_owned(),
+                    format!(
+                        "has a row filter on {t} (WHERE {filter}): outbox rows it excludes are never relayed"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(partitioned)
+}
+
+pub(super) async fn outbox_table(
+    client: &Client,
+    o: &OutboxConfig,
+) -> Result<Vec<Line>, CheckError> {
+    let t = o.table().expect("a table outbox");
+    let what = format!("outbox table {t}");
+    let key = |field: &str| o.key_of(field);
+    let Some((kind, columns)) = table_columns(client, t).await? else {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "does not exist ({0}): create it, e.g. with sql/outbox.sql, or fix {0}",
+                key("table")
+            ),
+        )]);
+    };
+    if kind != "r" && kind != "p" {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "is not a table (pg_class.relkind {kind:?}); only tables can be published: fix {}",
+                key("table")
+            ),
+        )]);
+    }
+    let find = |name: &str| columns.iter().find(|c| c.name == name);
+    let cols = &o.columns;
+
+    let mut problems = Vec::new();
+    let mut found = Vec::new();
+    let mut reported: Vec<&str> = Vec::new();
+    for (k, name) in required_columns(o) {
+        let key = k.as_str();
+        match find(name) {
+            None => {
+                problems.push(format!("no column {name:?} ({key})"));
+                reported.push(name);
+            }
+            Some(c) => {
+                if k == o.key_of("payload") && PayloadKind::of_type(c.type_oid).is_none() {
+                    problems.push(format!(
+                        "payload column {name:?} ({key}) has type {} (use jsonb, json, text, varchar, char or bytea)",
+                        c.type_name
+                    ));
+                }
+                found.push(format!("{name} {}", c.type_name));
+            }
+        }
+    }
+    for (key, name) in template_columns(o) {
+        if find(name).is_none() && !reported.contains(&name) {
+            problems.push(format!("no column {name:?} (a placeholder of {key})"));
+            reported.push(name);
+        }
+    }
+
+    let mut warnings = Vec::new();
+    match find(&cols.headers) {
+        None => warnings.push(Line::warn(
+            what.clone(),
+            format!(
+                "no headers column {:?} ({}): messages carry no extra headers",
+                cols.headers,
+                key("headers")
+            ),
+        )),
+        Some(c) if c.type_oid != oid::JSON && c.type_oid != oid::JSONB => problems.push(format!(
+            "headers column {:?} ({}) has type {} (use jsonb or json, holding a JSON object)",
+            cols.headers,
+            key("headers"),
+            c.type_name
+        )),
+        Some(c) => found.push(format!("{} {}", c.name, c.type_name)),
+    }
+    match find(&cols.created_at) {
+        None => warnings.push(Line::warn(
+            what.clone(),
+            format!(
+                "no column {:?} ({}): `outbox-relay recover` and `republish --since` need it",
+                cols.created_at,
+                key("created_at")
+            ),
+        )),
+        Some(c) if c.type_oid != oid::TIMESTAMPTZ && c.type_oid != oid::TIMESTAMP => {
+            warnings.push(Line::warn(
+                what.clone(),
+                format!(
+                    "column {:?} ({}) has type {}; `outbox-relay recover` and \
+                     `republish --since` expect timestamptz",
+                    cols.created_at,
+                    key("created_at"),
+                    c.type_name
+                ),
+            ))
+        }
+        Some(c) => found.push(format!("{} {}", c.name, c.type_name)),
+    }
+    if let Some(seq) = &cols.sequence {
+        const INTEGERS: [u32; 4] = [oid::INT2, oid::INT4, oid::INT8, oid::NUMERIC];
+        match find(seq) {
+            None => problems.push(format!("no column {seq:?} ({})", key("sequence"))),
+            Some(c) if !INTEGERS.contains(&c.type_oid) || !c.not_null => problems.push(format!(
+                "sequence column {seq:?} ({}) is {}{}: recover and republish need a NOT NULL \
+                 integer that increases in the order rows are written (an identity or \
+                 bigserial column)",
+                key("sequence"),
+                c.type_name,
+                if c.not_null { "" } else { ", nullable" }
+            )),
+            Some(c) => found.push(format!("{} {} (the re-read order)", c.name, c.type_name)),
+        }
+    }
+
+    let partitioned = if kind == "p" {
+        "partitioned (its partitions' rows are relayed as the table's); "
+    } else {
+        ""
+    };
+    let mut lines = vec![if problems.is_empty() {
+        Line::ok(what, format!("{partitioned}columns {}", found.join(", ")))
+    } else {
+        Line::fail(
+            what,
+            format!(
+                "{}: add the columns, or change the config keys named",
+                problems.join("; ")
+            ),
+        )
+    }];
+    lines.extend(warnings);
+    Ok(lines)
+}

@@ -1,0 +1,343 @@
+//! The PostgreSQL checks: reachable, wal_level, slots and senders, the role, the slot.
+
+use super::*;
+
+/// The text of a PostgreSQL error: the server's message for a server error,
+/// otherwise the error and its causes.
+pub(super) fn pg_error_text(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut s = format!("{}: {}", db.severity(), db.message());
+        if let Some(hint) = db.hint() {
+            s.push_str(&format!(" (hint: {hint})"));
+        }
+        return s;
+    }
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    s
+}
+
+pub(super) async fn postgres_connect(cfg: &Config) -> (Line, Option<Client>) {
+    let url = redact_url(cfg.postgres.url.expose());
+    let what = format!("PostgreSQL reachable at {url}");
+    // connect_sql has its own deadline (15 s), the same as CHECK_TIMEOUT.
+    let client = match connect_sql(&cfg.postgres).await {
+        Ok(c) => c,
+        Err(SourceError::Sql { source, .. }) => {
+            return (Line::fail(what, describe_pg_connect_error(&source)), None);
+        }
+        Err(e) => {
+            return (
+                Line::fail(
+                    what,
+                    format!(
+                        "{e}: is PostgreSQL running, and are the host and port in postgres.url right?"
+                    ),
+                ),
+                None,
+            );
+        }
+    };
+    let who = tokio::time::timeout(
+        CHECK_TIMEOUT,
+        client.query_one(
+            "SELECT current_user::text, current_database()::text, current_setting('server_version')",
+            &[],
+        ),
+    )
+    .await;
+    match who {
+        Ok(Ok(row)) => {
+            let user: String = row.get(0);
+            let db: String = row.get(1);
+            let version: String = row.get(2);
+            // "15.18 (Debian 15.18-0+deb12u1)" -> "15.18"
+            let version = version.split_whitespace().next().unwrap_or_default();
+            (
+                Line::ok(
+                    what,
+                    format!("logged in as {user} to database {db} (PostgreSQL {version})"),
+                ),
+                Some(client),
+            )
+        }
+        Ok(Err(e)) => (
+            Line::fail(
+                what,
+                format!(
+                    "connected, but the first query failed: {}",
+                    pg_error_text(&e)
+                ),
+            ),
+            None,
+        ),
+        Err(_) => (
+            Line::fail(
+                what,
+                format!(
+                    "connected, but the first query got no answer within {} s",
+                    CHECK_TIMEOUT.as_secs()
+                ),
+            ),
+            None,
+        ),
+    }
+}
+
+pub(super) fn describe_pg_connect_error(e: &tokio_postgres::Error) -> String {
+    let text = pg_error_text(e);
+    match e.code() {
+        Some(c) if c.code().starts_with("28") => format!(
+            "authentication failed ({text}): fix the user name or password in postgres.url \
+             (or OUTBOX_RELAY_POSTGRES_URL), or the server's pg_hba.conf entry for this client"
+        ),
+        Some(c) if *c == SqlState::INVALID_CATALOG_NAME => {
+            format!("{text}: fix the database name in postgres.url")
+        }
+        Some(c) if *c == SqlState::TOO_MANY_CONNECTIONS => {
+            format!("{text}: close idle connections or raise max_connections (restart needed)")
+        }
+        Some(_) => text,
+        None => format!(
+            "cannot connect ({text}): is PostgreSQL running, and are the host and port in postgres.url right?"
+        ),
+    }
+}
+
+pub(super) async fn wal_level(client: &Client) -> Result<Vec<Line>, CheckError> {
+    let level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
+    let commit_ts: String = client
+        .query_one("SHOW track_commit_timestamp", &[])
+        .await?
+        .get(0);
+    let commit_ts = if commit_ts == "on" {
+        Line::ok(
+            "track_commit_timestamp",
+            "on: `recover` finds every row committed since the checkpoint",
+        )
+    } else {
+        Line::warn(
+            "track_commit_timestamp",
+            "is off: after a lost slot, `recover` can only select rows by created_at, \
+             widened by the longest transaction the relay has seen; a longer one may be \
+             missed. Set track_commit_timestamp = on (restart needed) for an exact window",
+        )
+    };
+    Ok(vec![
+        commit_ts,
+        if level == "logical" {
+            Line::new(Level::Ok, "wal_level = logical", None)
+        } else {
+            Line::fail(
+                "wal_level",
+                format!(
+                    "is {level}, but logical replication needs wal_level = logical: set it in \
+                 postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+                ),
+            )
+        },
+    ])
+}
+
+pub(super) async fn slots_and_senders(
+    client: &Client,
+    cfg: &Config,
+) -> Result<Vec<Line>, CheckError> {
+    let slot = &cfg.postgres.slot;
+    let row = client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::int, \
+                    (SELECT count(*) FROM pg_replication_slots)::int, \
+                    current_setting('max_wal_senders')::int, \
+                    (SELECT count(*) FROM pg_stat_replication)::int, \
+                    EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+            &[slot],
+        )
+        .await?;
+    let (max_slots, used_slots, max_senders, used_senders, ours): (i32, i32, i32, i32, bool) =
+        (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+    let slots = if ours {
+        Line::ok(
+            "replication slots",
+            format!("{used_slots} of {max_slots} used, {slot:?} among them"),
+        )
+    } else if used_slots < max_slots {
+        Line::ok(
+            "replication slots",
+            format!(
+                "{used_slots} of {max_slots} used, {} free for {slot:?}",
+                max_slots - used_slots
+            ),
+        )
+    } else {
+        Line::fail(
+            "replication slots",
+            format!(
+                "all {max_slots} in use (max_replication_slots) and {slot:?} does not exist yet: \
+                 drop slots nobody uses (see pg_replication_slots; SELECT pg_drop_replication_slot('name')), \
+                 or raise max_replication_slots and restart PostgreSQL"
+            ),
+        )
+    };
+    let senders = if used_senders < max_senders {
+        Line::ok(
+            "WAL senders",
+            format!("{used_senders} of {max_senders} in use"),
+        )
+    } else {
+        Line::fail(
+            "WAL senders",
+            format!(
+                "{used_senders} of {max_senders} in use (max_wal_senders), none free for the relay's \
+                 replication connection: stop replication clients nobody needs (see pg_stat_replication), \
+                 or raise max_wal_senders and restart PostgreSQL"
+            ),
+        )
+    };
+    Ok(vec![slots, senders])
+}
+
+pub(super) async fn role(client: &Client) -> Result<Vec<Line>, CheckError> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, rolreplication, rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await?;
+    let (user, replication, superuser): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    let what = format!("role {user} may replicate");
+    Ok(vec![if superuser {
+        Line::ok(what, "superuser")
+    } else if replication {
+        Line::ok(what, "REPLICATION attribute")
+    } else {
+        Line::fail(
+            what,
+            format!(
+                "it has neither the REPLICATION attribute nor SUPERUSER, so the replication \
+                 connection would be refused: as a superuser, run ALTER ROLE {} REPLICATION",
+                quote_ident(&user)
+            ),
+        )
+    }])
+}
+
+pub(super) async fn replication_slot(
+    client: &Client,
+    cfg: &Config,
+) -> Result<Vec<Line>, CheckError> {
+    let name = &cfg.postgres.slot;
+    let what = format!("replication slot {name:?}");
+    let Some(info) = slot::slot_info(client, cfg).await? else {
+        return Ok(vec![Line::fail(
+            what,
+            "does not exist (postgres.slot): on a first start, create it with `outbox-relay setup`; \
+             if it existed and was dropped, run `outbox-relay recover` to recreate it and re-publish \
+             the outbox rows written since the last checkpoint",
+        )]);
+    };
+    if info.plugin.as_deref() != Some("pgoutput") {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "uses plugin {:?}, not pgoutput: drop it (SELECT pg_drop_replication_slot('{name}')) \
+                 and run `outbox-relay setup`, or choose another postgres.slot",
+                info.plugin.unwrap_or_default()
+            ),
+        )]);
+    }
+    if info.two_phase {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "was created with two-phase decoding, which streams prepared transactions before \
+                 they commit: drop it (SELECT pg_drop_replication_slot('{name}')) and run \
+                 `outbox-relay setup`"
+            ),
+        )]);
+    }
+    let db: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await?
+        .get(0);
+    if let Some(slot_db) = info.database.as_deref().filter(|d| *d != db) {
+        return Ok(vec![Line::fail(
+            what,
+            format!(
+                "belongs to database {slot_db}, but postgres.url connects to {db}: \
+                 fix the database in postgres.url, or choose another postgres.slot"
+            ),
+        )]);
+    }
+    let wal_status = info.wal_status.as_deref().unwrap_or("-");
+    if wal_status == "lost" {
+        return Ok(vec![Line::fail(
+            what,
+            "is invalidated (wal_status = lost): the WAL it needed was removed, so events committed \
+             since its last confirmed position cannot be replayed from WAL; run `outbox-relay recover` \
+             to recreate the slot and re-publish the outbox rows written since the last checkpoint \
+             (`--dry-run` shows them first)",
+        )]);
+    }
+    let lsn = info
+        .confirmed_flush_lsn
+        .map_or_else(|| "-".to_owned(), |l| l.to_string());
+    let mut lines = Vec::new();
+    match info.active_pid {
+        Some(pid) => lines.push(Line::warn(
+            what.clone(),
+            format!(
+                "slot is active (pid {pid}): another relay is streaming from it; a second `run` waits \
+                 until it stops (pgoutput, wal_status {wal_status}, confirmed_flush_lsn {lsn})"
+            ),
+        )),
+        None => lines.push(Line::ok(
+            what.clone(),
+            format!("pgoutput, wal_status {wal_status}, confirmed_flush_lsn {lsn}, not active"),
+        )),
+    }
+    // Surviving a failover: a failover slot (17+), or a re-publish.
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await?
+        .get(0);
+    let (failover, sync) = if version >= 170_000 {
+        let row = client
+            .query_one(
+                "SELECT (SELECT failover FROM pg_replication_slots WHERE slot_name = $1), \
+                 current_setting('sync_replication_slots', true)",
+                &[name],
+            )
+            .await?;
+        (
+            row.get::<_, Option<bool>>(0),
+            row.get::<_, Option<String>>(1),
+        )
+    } else {
+        (None, None)
+    };
+    let (survives, note) = slot::failover_note(version, failover, sync.as_deref());
+    let recovers = cfg.postgres.on_slot_lost == crate::config::OnSlotLost::Recover;
+    lines.push(match (survives, recovers) {
+        (true, _) => Line::ok(format!("{what} across a failover"), note),
+        (false, true) => Line::ok(
+            format!("{what} across a failover"),
+            format!("{note}; run does it (on_slot_lost = \"recover\")"),
+        ),
+        (false, false) => Line::warn(format!("{what} across a failover"), note),
+    });
+    if wal_status == "unreserved" {
+        lines.push(Line::warn(
+            what,
+            "wal_status = unreserved: it retains more WAL than max_slot_wal_keep_size and is \
+             invalidated at the next checkpoint unless the relay catches up first",
+        ));
+    }
+    Ok(lines)
+}
+
+// ------------------------------------------------------------- RabbitMQ

@@ -1,0 +1,184 @@
+//! The AMQP client against a broker that breaks the rules or the client's
+//! resources: frames nested deep enough to overflow a recursive parser,
+//! a return interleaved with acks, a close while our send buffer is full,
+//! the socket options that notice a dead peer. Scripted like
+//! `conformance`, whose broker and helpers it uses.
+
+use std::time::Duration;
+
+use amq_protocol::frame::AMQPFrame;
+use amq_protocol::protocol::{AMQPClass, basic, connection};
+use tokio::io::AsyncWriteExt;
+
+use super::scripted::{Peer, broker, connect, message, next_event};
+use super::wire::{Target, Wire, WireError, watch_peer};
+
+/// A `connection.start` whose server properties nest an array `depth`
+/// levels deep (5 bytes a level): a recursive parser needs a stack frame
+/// or more for each.
+fn nested_start(depth: usize) -> Vec<u8> {
+    // The innermost array is empty; each level wraps the one inside.
+    let mut value = vec![b'A', 0, 0, 0, 0];
+    for _ in 1..depth {
+        let mut outer = Vec::with_capacity(value.len() + 5);
+        outer.push(b'A');
+        outer.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        outer.extend_from_slice(&value);
+        value = outer;
+    }
+    let mut table = vec![1, b'x'];
+    table.extend_from_slice(&value);
+    let mut args = vec![0, 10, 0, 10, 0, 9];
+    args.extend_from_slice(&(table.len() as u32).to_be_bytes());
+    args.extend_from_slice(&table);
+    for text in ["PLAIN", "en_US"] {
+        args.extend_from_slice(&(text.len() as u32).to_be_bytes());
+        args.extend_from_slice(text.as_bytes());
+    }
+    let mut frame = vec![1, 0, 0];
+    frame.extend_from_slice(&(args.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&args);
+    frame.push(0xCE);
+    frame
+}
+
+/// 25,000 levels fit in one 128 KiB frame and overflow an 8 MiB stack
+/// when parsed recursively on it: the handshake goes on (or fails), the
+/// process does not abort. Run on a small stack to make the point.
+#[test]
+fn a_deeply_nested_frame_does_not_overflow_the_stack() {
+    let frame = nested_start(25_000);
+    assert!(frame.len() < 131_072, "{} bytes", frame.len());
+    let run = move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+            theirs.write_all(&frame).await.unwrap();
+            theirs.shutdown().await.unwrap();
+            let target = Target {
+                uri: super::parse_amqp_url("amqp://u:p@deep/v").unwrap(),
+                tls: None,
+                connection_name: "deep".into(),
+            };
+            // The start parses; the stream then ends before a tune.
+            let e = Wire::handshake_over(ours, &target).await.unwrap_err();
+            assert!(matches!(e, WireError::Eof | WireError::Io(_)), "{e}");
+            drop(theirs);
+        });
+    };
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(run)
+        .unwrap()
+        .join()
+        .expect("the handshake thread failed");
+}
+
+/// An ack between a return and its content header would settle a message
+/// the broker just said it could not route: a protocol error, and nothing
+/// acked.
+#[tokio::test]
+async fn an_ack_inside_a_returned_message_is_a_protocol_error() {
+    let (t, broker) = broker("127.0.0.1", |mut p: Peer| async move {
+        p.handshake(131_072).await;
+        p.publish().await;
+        p.send_method(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                reply_code: 312,
+                reply_text: "NO_ROUTE".into(),
+                exchange: "ex".into(),
+                routing_key: "k".into(),
+            })),
+        )
+        .await;
+        p.send_method(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag: 1,
+                multiple: false,
+            })),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    w.publish(message("k", 10)).unwrap();
+    let e = next_event(&mut w).await.unwrap_err();
+    assert!(
+        matches!(&e, WireError::Protocol(m) if m.contains("middle of a returned message")),
+        "{e}"
+    );
+    broker.abort();
+}
+
+/// The broker stops reading, our send buffer fills, and then it closes the
+/// connection: the close is read and reported at once (the unwritten
+/// publishes are not waited for), and closing the connection then still
+/// delivers our close-ok behind them, then a FIN.
+#[tokio::test]
+async fn a_close_while_our_send_buffer_is_full_is_answered() {
+    let (t, broker) = broker("127.0.0.1", |mut p: Peer| async move {
+        p.handshake(131_072).await;
+        // Not reading: let the client fill the socket buffers.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        p.close_connection(320, "CONNECTION_FORCED - broker forced connection closure")
+            .await;
+        // As RabbitMQ does: discard everything until close-ok.
+        loop {
+            match p.frame().await {
+                Some(AMQPFrame::Method(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)),
+                )) => break,
+                Some(_) => {}
+                None => panic!("EOF before close-ok"),
+            }
+        }
+        assert!(p.frame().await.is_none(), "expected EOF after close-ok");
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    for i in 0..64 {
+        w.publish(message(&format!("m{i}"), 1 << 20)).unwrap();
+    }
+    let e = next_event(&mut w).await.unwrap_err();
+    assert!(
+        matches!(e, WireError::ConnectionClosed { code: 320, .. }),
+        "{e}"
+    );
+    assert!(e.is_transient());
+    tokio::time::timeout(Duration::from_secs(20), w.close())
+        .await
+        .expect("close hung")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(20), broker)
+        .await
+        .expect("the broker never saw close-ok")
+        .unwrap();
+}
+
+/// The socket notices a dead peer with heartbeats off: keepalive when
+/// idle, and a user timeout when our data stays unacknowledged (a broker
+/// host gone while it blocked us; window probes to a live one are
+/// answered, so a long alarm does not end the connection).
+#[tokio::test]
+async fn the_socket_gives_up_on_a_dead_peer() {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .unwrap();
+    let tcp = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    watch_peer(&tcp).unwrap();
+    let sock = socket2::SockRef::from(&tcp);
+    assert!(sock.keepalive().unwrap());
+    assert_eq!(
+        sock.tcp_user_timeout().unwrap(),
+        Some(Duration::from_secs(60))
+    );
+}

@@ -1,0 +1,113 @@
+//! TLS settings, certificate names and failure messages.
+
+use super::*;
+
+#[test]
+fn sslmode_spellings() {
+    for m in [
+        SslMode::Disable,
+        SslMode::Prefer,
+        SslMode::Require,
+        SslMode::VerifyCa,
+        SslMode::VerifyFull,
+    ] {
+        assert_eq!(SslMode::parse(m.as_str()), Some(m));
+    }
+    assert_eq!(SslMode::parse("VERIFY-FULL"), Some(SslMode::VerifyFull));
+    assert_eq!(SslMode::parse("allow"), Some(SslMode::Prefer));
+    assert_eq!(SslMode::parse("verify"), None);
+    assert_eq!(SslMode::default(), SslMode::Prefer);
+}
+
+#[test]
+fn what_each_mode_verifies() {
+    assert_eq!(verification(SslMode::Prefer, true), Verify::Nothing);
+    assert_eq!(verification(SslMode::Require, false), Verify::Nothing);
+    assert_eq!(verification(SslMode::Require, true), Verify::Chain);
+    assert_eq!(verification(SslMode::VerifyCa, false), Verify::Chain);
+    assert_eq!(verification(SslMode::VerifyFull, false), Verify::Full);
+
+    use pgwire_replication::SslMode as P;
+    let ca = Path::new("/ca.pem");
+    let tcp = |name: &str, addr: &str| PgTarget::Tcp {
+        name: name.into(),
+        addr: addr.into(),
+        port: 5432,
+    };
+    let h = tcp("h", "h");
+    let unix = PgTarget::Unix {
+        dir: "/run/postgresql".into(),
+        port: 5432,
+    };
+    let t = |m, ca, target: &PgTarget| postgres_replication_tls(m, ca, target).unwrap();
+    assert_eq!(t(SslMode::Disable, None, &h).mode, P::Disable);
+    assert_eq!(t(SslMode::Prefer, Some(ca), &h).mode, P::Prefer);
+    assert_eq!(t(SslMode::Require, None, &h).mode, P::Require);
+    assert_eq!(t(SslMode::Require, Some(ca), &h).mode, P::VerifyCa);
+    assert_eq!(t(SslMode::VerifyFull, Some(ca), &unix).mode, P::Disable);
+    let full = t(
+        SslMode::VerifyFull,
+        Some(ca),
+        &tcp("127.0.0.1", "127.0.0.1"),
+    );
+    assert_eq!(full.mode, P::VerifyFull);
+    assert_eq!(full.sni_hostname.as_deref(), Some("127.0.0.1"));
+    assert_eq!(full.ca_pem_path.as_deref(), Some(ca));
+    // hostaddr: the name checked is the URL's host, not the address.
+    let by_addr = t(
+        SslMode::VerifyFull,
+        Some(ca),
+        &tcp("db.example", "10.1.2.3"),
+    );
+    assert_eq!(by_addr.sni_hostname.as_deref(), Some("db.example"));
+    // Never the public roots: verifying without a CA file is an error,
+    // on the replication connection as on the SQL connection.
+    for mode in [SslMode::VerifyCa, SslMode::VerifyFull] {
+        let e = postgres_replication_tls(mode, None, &h).unwrap_err();
+        assert!(e.contains("postgres.ca_file"), "{e}");
+        let e = client_config(verification(mode, false), None).unwrap_err();
+        assert!(e.contains("postgres.ca_file"), "{e}");
+    }
+}
+
+#[test]
+fn failures_are_classified_and_name_the_setting() {
+    let untrusted =
+        TlsFailure::from_text("TLS handshake failed: invalid peer certificate: UnknownIssuer");
+    assert!(matches!(untrusted, TlsFailure::Untrusted(_)));
+    let m = postgres_failure(&untrusted, "postgres://h/db", SslMode::VerifyFull);
+    assert!(m.contains("certificate not trusted"), "{m}");
+    assert!(
+        m.contains("postgres.ca_file") && m.contains("postgres.sslmode"),
+        "{m}"
+    );
+    assert_eq!(
+        TlsFailure::from_text("server does not support TLS (SSLRequest rejected)"),
+        TlsFailure::NoServerTls
+    );
+    let io = std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer),
+    );
+    let f = TlsFailure::find(&io).unwrap();
+    assert!(f.is_permanent());
+    assert!(rabbitmq_failure(&f, "amqps://h").contains("rabbitmq.ca_file"));
+    let plain = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+    assert_eq!(TlsFailure::find(&plain), None);
+}
+
+#[test]
+fn bad_ca_files_are_explained() {
+    let dir = std::env::temp_dir().join(format!("outbox-relay-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("missing.pem");
+    assert!(load_ca_file(&missing).unwrap_err().contains("cannot read"));
+    let empty = dir.join("empty.pem");
+    std::fs::write(&empty, "not a certificate\n").unwrap();
+    assert!(
+        load_ca_file(&empty)
+            .unwrap_err()
+            .contains("no PEM certificate")
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,248 @@
+//! The servers: their URLs and control script, connecting to them, a scratch PostgreSQL, the broker's log.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lapin::{Connection, ConnectionProperties};
+use tokio_postgres::{Client, NoTls};
+
+pub fn pg_url() -> String {
+    std::env::var("TEST_PG_URL").expect(
+        "TEST_PG_URL is not set: run the suite with `make test` (integration/servers.sh with ...)",
+    )
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL")
+        .expect("TEST_AMQP_URL is not set: run the suite with `make test` (integration/servers.sh with ...)")
+}
+
+/// Runs `integration/servers.sh <target> <args>`: stop/start the broker,
+/// restart PostgreSQL, set a memory alarm.
+pub fn server_ctl(var: &str, args: &[&str]) {
+    let ctl = std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: this test needs the servers started by integration/servers.sh")
+    });
+    let mut parts = ctl.split_whitespace();
+    let prog = parts.next().expect("empty ctl command");
+    let status = Command::new(prog)
+        .args(parts)
+        .args(args)
+        .status()
+        .unwrap_or_else(|e| panic!("running {ctl}: {e}"));
+    assert!(status.success(), "{ctl} {args:?} failed: {status}");
+}
+
+pub fn rabbitmq_ctl(args: &[&str]) {
+    server_ctl("TEST_RABBITMQ_CTL", args);
+}
+
+pub fn pg_ctl(args: &[&str]) {
+    server_ctl("TEST_PG_CTL", args);
+}
+
+pub async fn pg_connect() -> Client {
+    let (client, conn) = tokio_postgres::connect(&pg_url(), NoTls)
+        .await
+        .expect("connecting to the test PostgreSQL");
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
+
+/// Like [`pg_connect`], retrying while the server restarts.
+pub async fn pg_connect_retry() -> Client {
+    pg_connect_retry_to(&pg_url()).await
+}
+
+/// As [`pg_connect_retry`], to `url`.
+pub async fn pg_connect_retry_to(url: &str) -> Client {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match tokio_postgres::connect(url, NoTls).await {
+            Ok((client, conn)) => {
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+                return client;
+            }
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("PostgreSQL did not come back: {e}"),
+        }
+    }
+}
+
+pub async fn amqp_connect() -> Connection {
+    amqp_connect_to(&[amqp_url()]).await
+}
+
+/// The first of `urls` (a cluster's nodes) that accepts a connection,
+/// retrying for a minute.
+pub async fn amqp_connect_to(urls: &[String]) -> Connection {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut k = 0;
+    loop {
+        let url = &urls[k % urls.len()];
+        k += 1;
+        match Connection::connect(url, ConnectionProperties::default()).await {
+            Ok(c) => return c,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("RabbitMQ is not reachable: {e}"),
+        }
+    }
+}
+
+/// Runs a blocking server control command off the async worker threads.
+pub async fn ctl_async(f: fn(&[&str]), args: &'static [&'static str]) {
+    tokio::task::spawn_blocking(move || f(args))
+        .await
+        .expect("server control command panicked");
+}
+
+/// A throwaway PostgreSQL with the given `wal_level`, run as the `postgres`
+/// OS user like the harness's .
+pub struct ScratchPg {
+    pub dir: tempfile::TempDir,
+    pub port: u16,
+}
+
+impl ScratchPg {
+    pub fn start(wal_level: &str) -> ScratchPg {
+        Self::start_with(wal_level, "")
+    }
+
+    /// With extra `postgres` options, e.g. `-c name=value`.
+    pub fn start_with(wal_level: &str, extra_opts: &str) -> ScratchPg {
+        let bin = pg_bin();
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-scratch-pg")
+            .tempdir()
+            .unwrap();
+        let data = dir.path().join("data");
+        let chown = Command::new("chown")
+            .arg("-R")
+            .arg("postgres:postgres")
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(chown.success());
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ok = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("initdb"))
+            .args(["-A", "trust", "-U", "postgres", "-D"])
+            .arg(&data)
+            .output()
+            .unwrap();
+        assert!(
+            ok.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c wal_level={wal_level} -c fsync=off {extra_opts}",
+            dir.path().display()
+        );
+        let ok = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("pg_ctl"))
+            .args(["-w", "-D"])
+            .arg(&data)
+            .args(["-o", &opts, "-l"])
+            .arg(dir.path().join("log"))
+            .arg("start")
+            .output()
+            .unwrap();
+        assert!(
+            ok.status.success(),
+            "pg_ctl start: {}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        ScratchPg { dir, port }
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for ScratchPg {
+    fn drop(&mut self) {
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(pg_bin().join("pg_ctl"))
+            .args(["-m", "immediate", "-D"])
+            .arg(self.dir.path().join("data"))
+            .arg("stop")
+            .output();
+    }
+}
+
+pub fn pg_bin() -> PathBuf {
+    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server packages in /usr/lib/postgresql")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("bin/initdb").exists())
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .expect("a PostgreSQL version with initdb")
+        .join("bin")
+}
+
+/// How the broker logged the end of each connection the relay of `slot`
+/// opened (its client-provided name names the slot), in order: `true` for
+/// a clean close (`connection.close` answered), `false` for anything else
+/// (a dropped socket, a frame error). Waits up to 10 s for every connection
+/// it has seen to end, as the broker logs asynchronously.
+pub fn broker_logged_closes(slot: &str) -> Vec<bool> {
+    let dir = std::env::var("OUTBOX_IT_DIR")
+        .expect("OUTBOX_IT_DIR is not set: this test reads the log of the broker integration/servers.sh started");
+    let path = format!("{dir}/rabbitmq/log/rabbit.log");
+    let name = format!(" - outbox-relay (slot {slot})");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        // A connection's Erlang pid, from the line naming it.
+        let pids: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(&name) && l.contains("authenticated and granted access"))
+            .filter_map(|l| l.split(" connection ").nth(1)?.split(' ').next())
+            .collect();
+        let closes: Vec<Option<bool>> = pids
+            .iter()
+            .map(|pid| {
+                let mut lines = log.lines().skip_while(|l| {
+                    !l.contains(&format!("closing AMQP connection {pid} "))
+                        && !l.contains(&format!("Error on AMQP connection {pid} "))
+                });
+                let first = lines.next()?;
+                let next = lines.next().unwrap_or_default();
+                Some(
+                    first.contains("[info]")
+                        && first.ends_with(')')
+                        && !next.contains("unexpectedly closed"),
+                )
+            })
+            .collect();
+        // The broker writes its log a little after the fact: wait for the
+        // connection to show up, and for each to end.
+        if (!closes.is_empty() && closes.iter().all(Option::is_some)) || Instant::now() > deadline {
+            return closes.into_iter().map(|c| c.unwrap_or(false)).collect();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

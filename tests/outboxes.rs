@@ -1,0 +1,524 @@
+//! More shapes of outbox on one slot: several `[[outbox]]` tables, and the
+//! table-less outbox (`pg_logical_emit_message`). One slot, one ordered
+//! stream: events of a transaction that spans tables (and messages) are
+//! published in the order they were written.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use tokio_postgres::Client;
+
+/// One event written by [`write_tx`].
+#[derive(Debug, Clone)]
+struct Written {
+    /// The table, or `message`.
+    into: String,
+    id: String,
+    aggregate: String,
+    seq: u64,
+}
+
+/// Where an event of [`write_tx`] goes: an outbox table, or the message
+/// prefix.
+#[derive(Debug, Clone)]
+enum Into {
+    Table(String),
+    Message(String),
+}
+
+/// Writes one transaction of `events` (target, aggregate) with per-aggregate
+/// sequence numbers; commits or rolls back. Returns what it wrote.
+async fn write_tx(
+    pg: &mut Client,
+    events: &[(Into, String)],
+    seqs: &mut HashMap<String, u64>,
+    commit: bool,
+) -> Vec<Written> {
+    let tx = pg.transaction().await.unwrap();
+    let mut out = Vec::new();
+    for (into, aggregate) in events {
+        let seq = seqs.entry(aggregate.clone()).or_default();
+        *seq += 1;
+        let payload = serde_json::json!({"aggregate": aggregate, "seq": *seq});
+        let id = match into {
+            Into::Table(t) => tx
+                .query_one(
+                    &format!(
+                        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
+                         VALUES ('order', $1, 'placed', $2::text::jsonb) RETURNING id::text"
+                    ),
+                    &[aggregate, &payload.to_string()],
+                )
+                .await
+                .unwrap()
+                .get::<_, String>(0),
+            Into::Message(prefix) => {
+                let id = format!("m-{aggregate}-{seq}-{}", std::process::id());
+                let content = serde_json::json!({
+                    "id": id, "aggregate_type": "order", "aggregate_id": aggregate,
+                    "event_type": "placed", "payload": payload,
+                });
+                let schema: serde_json::Value =
+                    serde_json::from_str(include_str!("../schema/emitted.schema.json")).unwrap();
+                assert!(jsonschema::is_valid(&schema, &content), "{content}");
+                tx.execute(
+                    "SELECT pg_logical_emit_message(true, $1, $2::text)",
+                    &[prefix, &content.to_string()],
+                )
+                .await
+                .unwrap();
+                id
+            }
+        };
+        out.push(Written {
+            into: match into {
+                Into::Table(t) => t.clone(),
+                Into::Message(_) => "message".into(),
+            },
+            id,
+            aggregate: aggregate.clone(),
+            seq: *seq,
+        });
+    }
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    out
+}
+
+/// Every committed event delivered, none rolled back, nothing unknown, and
+/// first deliveries in per-aggregate order. Returns the duplicates.
+fn check(committed: &[Written], rolled_back: &[Written], got: &[Received]) -> usize {
+    let counts = count_by_id(got);
+    let missing: Vec<&str> = (committed.iter())
+        .filter(|w| !counts.contains_key(&w.id))
+        .map(|w| w.id.as_str())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} committed events never arrived, e.g. {:?}",
+        missing.len(),
+        committed.len(),
+        &missing[..missing.len().min(5)]
+    );
+    for w in rolled_back {
+        assert!(
+            !counts.contains_key(&w.id),
+            "rolled back {} was delivered",
+            w.id
+        );
+    }
+    let known: HashMap<&str, &Written> = committed.iter().map(|w| (w.id.as_str(), w)).collect();
+    let mut last: HashMap<&str, u64> = HashMap::new();
+    let mut first = std::collections::HashSet::new();
+    for r in got {
+        let id = r.message_id();
+        let w = known
+            .get(id.as_str())
+            .unwrap_or_else(|| panic!("delivered {id}, which nobody wrote (or rolled back)"));
+        if !first.insert(id.clone()) {
+            continue;
+        }
+        let prev = last.insert(w.aggregate.as_str(), w.seq).unwrap_or(0);
+        assert!(
+            w.seq > prev,
+            "aggregate {}: first delivery of seq {} after seq {prev}",
+            w.aggregate,
+            w.seq
+        );
+    }
+    counts.values().map(|c| c - 1).sum()
+}
+
+/// The fixture's config with its single `[outbox]` replaced by `outboxes`
+/// (TOML), written to its file.
+fn set_outboxes(fx: &Fixture, rabbitmq_extra: &str, postgres_extra: &str, outboxes: &str) {
+    let text = fx.config_text(rabbitmq_extra);
+    let single = format!("[outbox]\ntable = \"public.{}\"\n", fx.table);
+    assert!(text.contains(&single), "{text}");
+    let text = text.replace(&single, outboxes).replace(
+        "status_interval_ms = 200",
+        &format!("status_interval_ms = 200\n{postgres_extra}"),
+    );
+    std::fs::write(&fx.config, text).unwrap();
+}
+
+fn setup(fx: &Fixture) -> String {
+    let out = fx.relay_cmd("setup").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "setup: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    said
+}
+
+async fn create_table(pg: &Client, name: &str) {
+    let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
+        .unwrap()
+        .replace("CREATE TABLE outbox", &format!("CREATE TABLE {name}"));
+    pg.batch_execute(&ddl).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_tables_on_one_slot_survive_kill9_in_order() {
+    let mut fx = Fixture::new("tables3").await;
+    let mut pg = pg_connect().await;
+    let (a, b, c) = (
+        fx.table.clone(),
+        format!("{}_b", fx.table),
+        format!("{}_c", fx.table),
+    );
+    create_table(&pg, &b).await;
+    create_table(&pg, &c).await;
+    set_outboxes(
+        &fx,
+        "",
+        "",
+        &format!(
+            "[[outbox]]\ntable = \"public.{a}\"\n\n[[outbox]]\ntable = \"public.{b}\"\n\n\
+             [[outbox]]\ntable = \"public.{c}\"\n"
+        ),
+    );
+    let said = setup(&fx);
+    assert!(
+        said.contains(&b) && said.contains(&c),
+        "setup added: {said}"
+    );
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay();
+
+    // Interleaved and mixed transactions: each spans 1..4 events over the
+    // three tables and six aggregates; one in five rolls back.
+    let tables = [a.clone(), b.clone(), c.clone()];
+    let producer = tokio::spawn(async move {
+        let mut rng = XorShift::new(15);
+        let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+        let mut seqs = HashMap::new();
+        for _ in 0..300 {
+            let n = 1 + rng.below(4);
+            let events: Vec<(Into, String)> = (0..n)
+                .map(|_| {
+                    let t = tables[rng.below(3) as usize].clone();
+                    (Into::Table(t), format!("agg{}", rng.below(6)))
+                })
+                .collect();
+            let commit = rng.below(5) != 0;
+            let w = write_tx(&mut pg, &events, &mut seqs, commit).await;
+            if commit {
+                committed.extend(w);
+            } else {
+                rolled_back.extend(w);
+            }
+            tokio::time::sleep(Duration::from_millis(4)).await;
+        }
+        (committed, rolled_back)
+    });
+
+    let mut got = fx.drain_for(Duration::from_millis(1200)).await;
+    assert!(
+        !got.is_empty(),
+        "nothing before the kill:\n{}",
+        relay.log_tail()
+    );
+    relay.kill9();
+    got.extend(fx.drain_for(Duration::from_millis(300)).await);
+    let relay = fx.spawn_relay();
+    let (committed, rolled_back) = producer.await.unwrap();
+    let seen = count_by_id(&got);
+    let left: Vec<String> = (committed.iter())
+        .filter(|w| !seen.contains_key(&w.id))
+        .map(|w| w.id.clone())
+        .collect();
+    got.extend(
+        fx.collect_until(
+            &left,
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await,
+    );
+    let per_table: Vec<usize> = [&a, &b, &c]
+        .iter()
+        .map(|t| committed.iter().filter(|w| &&w.into == t).count())
+        .collect();
+    assert!(per_table.iter().all(|&n| n > 0), "{per_table:?}");
+    let dups = check(&committed, &rolled_back, &got);
+    println!(
+        "three tables: {} committed, {} rolled back, {} deliveries, {dups} duplicates ({per_table:?})",
+        committed.len(),
+        rolled_back.len(),
+        got.len()
+    );
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_added_to_the_config_is_picked_up_after_setup_and_a_restart() {
+    let mut fx = Fixture::new("addtable").await;
+    let pg = pg_connect().await;
+    let b = format!("{}_b", fx.table);
+    create_table(&pg, &b).await;
+    fx.start_consumer().await;
+    let insert = |t: &str, agg: &str| {
+        format!(
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('order', '{agg}', 'placed', '{{}}') RETURNING id::text"
+        )
+    };
+    let relay = fx.spawn_relay();
+    let a1: String = pg
+        .query_one(&insert(&fx.table, "a"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    // Not an outbox yet: not published, and never streamed (the
+    // publication decides as of each change's WAL position).
+    let early_b: String = pg.query_one(&insert(&b, "b"), &[]).await.unwrap().get(0);
+    fx.expect_delivered(std::slice::from_ref(&a1), &relay).await;
+    relay.stop_ok();
+
+    set_outboxes(
+        &fx,
+        "",
+        "",
+        &format!(
+            "[[outbox]]\ntable = \"public.{}\"\n\n[[outbox]]\ntable = \"public.{b}\"\n",
+            fx.table
+        ),
+    );
+    let said = setup(&fx);
+    assert!(said.contains(&format!("added public.{b}")), "{said}");
+    let relay = fx.spawn_relay();
+    let b1: String = pg.query_one(&insert(&b, "b"), &[]).await.unwrap().get(0);
+    let a2: String = pg
+        .query_one(&insert(&fx.table, "a"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    let got = fx
+        .collect_until(
+            &[b1.clone(), a2.clone()],
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await;
+    assert!(
+        !got.iter().any(|r| r.message_id() == early_b),
+        "a row written before its table was published arrived"
+    );
+    // What was written before: `republish --table` sends it on purpose.
+    let out = fx
+        .relay_cmd("republish")
+        .args(["--table", &format!("public.{b}"), "--id", &early_b])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    fx.expect_delivered(std::slice::from_ref(&early_b), &relay)
+        .await;
+    // --table names one of the config's tables, or is refused.
+    let out = fx
+        .relay_cmd("republish")
+        .args(["--table", "public.no_such", "--id", &early_b])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not one of the outbox tables"));
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_less_messages_and_rows_arrive_in_wal_order() {
+    let mut fx = Fixture::new("messages").await;
+    let prefix = fx.scoped("events");
+    let dlx = fx.scoped("dlx");
+    fx.declare_bound(&dlx, Some(&fx.scoped("dlq")), "#").await;
+    set_outboxes(
+        &fx,
+        &format!("dead_letter_exchange = \"{dlx}\""),
+        "heartbeat_secs = 1",
+        &format!(
+            "[[outbox]]\ntable = \"public.{}\"\n\n[[outbox]]\nsource = \"message\"\n\
+             prefix = \"{prefix}\"\n",
+            fx.table
+        ),
+    );
+    setup(&fx);
+    fx.start_consumer().await;
+    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
+    let relay = fx.spawn_relay();
+    let mut pg = pg_connect().await;
+
+    // Rows and messages in the same transactions, same aggregates.
+    let mut rng = XorShift::new(16);
+    let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+    let mut seqs = HashMap::new();
+    for _ in 0..120 {
+        let n = 1 + rng.below(4);
+        let events: Vec<(Into, String)> = (0..n)
+            .map(|_| {
+                let into = if rng.below(2) == 0 {
+                    Into::Table(fx.table.clone())
+                } else {
+                    Into::Message(prefix.clone())
+                };
+                (into, format!("agg{}", rng.below(4)))
+            })
+            .collect();
+        let commit = rng.below(4) != 0;
+        let w = write_tx(&mut pg, &events, &mut seqs, commit).await;
+        if commit {
+            committed.extend(w);
+        } else {
+            rolled_back.extend(w);
+        }
+    }
+    assert!(committed.iter().any(|w| w.into == "message"));
+    assert!(rolled_back.iter().any(|w| w.into == "message"));
+    // Not transactional: skipped (it may belong to a transaction that
+    // rolls back); another application's prefix: ignored.
+    pg.execute(
+        "SELECT pg_logical_emit_message(false, $1, '{\"id\": \"nontx\"}')",
+        &[&prefix],
+    )
+    .await
+    .unwrap();
+    pg.execute(
+        "SELECT pg_logical_emit_message(true, 'someone-else', '{\"id\": \"other\"}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    // A malformed one: dead-lettered with the reason.
+    pg.execute(
+        "SELECT pg_logical_emit_message(true, $1, 'this is not json')",
+        &[&prefix],
+    )
+    .await
+    .unwrap();
+    let last = write_tx(
+        &mut pg,
+        &[(Into::Message(prefix.clone()), "agg0".into())],
+        &mut seqs,
+        true,
+    )
+    .await;
+    committed.extend(last);
+
+    let ids: Vec<String> = committed.iter().map(|w| w.id.clone()).collect();
+    // Settle past two heartbeats: they must not be published.
+    let got = fx
+        .collect_until(
+            &ids,
+            Duration::from_secs(60),
+            Duration::from_secs(3),
+            Some(&relay),
+        )
+        .await;
+    let dups = check(&committed, &rolled_back, &got);
+    let m = got
+        .iter()
+        .find(|r| r.message_id().starts_with("m-"))
+        .expect("a message event");
+    assert_eq!(
+        m.json()["aggregate"],
+        m.header_str("aggregate_id").unwrap().as_str()
+    );
+    assert_eq!(
+        m.properties.content_type().as_ref().map(|c| c.as_str()),
+        Some("application/json")
+    );
+    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.recv())
+        .await
+        .expect("the malformed message dead-lettered")
+        .unwrap();
+    let why = dead.header_str("x-outbox-error").unwrap_or_default();
+    assert!(
+        why.contains("not a JSON object") && why.contains(&prefix),
+        "{why}"
+    );
+    assert_eq!(&dead.body[..], b"this is not json");
+    assert!(
+        relay.log_text().contains("non-transactional"),
+        "the skip is logged"
+    );
+    println!(
+        "rows and messages: {} committed ({} messages), {} deliveries, {dups} duplicates",
+        committed.len(),
+        committed.iter().filter(|w| w.into == "message").count(),
+        got.len()
+    );
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_and_status_cover_every_outbox() {
+    let fx = Fixture::new("chk_outboxes").await;
+    let pg = pg_connect().await;
+    let b = format!("{}_b", fx.table);
+    // A second outbox without the payload column the config names.
+    pg.batch_execute(&format!(
+        "CREATE TABLE {b} (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), aggregate_type text, \
+         aggregate_id text, event_type text, body jsonb, created_at timestamptz DEFAULT now())"
+    ))
+    .await
+    .unwrap();
+    set_outboxes(
+        &fx,
+        "",
+        "",
+        &format!(
+            "[[outbox]]\ntable = \"public.{}\"\n\n[[outbox]]\ntable = \"public.{b}\"\n\n\
+             [[outbox]]\nsource = \"message\"\nprefix = \"audit\"\n",
+            fx.table
+        ),
+    );
+    setup(&fx);
+    let out = fx.relay_cmd("check").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    let line = |start: &str| {
+        said.lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no line starting {start:?}:\n{said}"))
+            .to_owned()
+    };
+    let publication = line(&format!("ok publication {:?}", fx.publication));
+    assert!(
+        publication.contains(&fx.table) && publication.contains(&b),
+        "{publication}"
+    );
+    assert!(line(&format!("ok outbox table public.{}", fx.table)).contains("columns"));
+    let failed = line(&format!("FAIL outbox table public.{b}"));
+    assert!(failed.contains("outbox[1].payload"), "{failed}");
+    let table_less = line("warn outbox outbox[2]");
+    assert!(
+        table_less.contains("lost slot") && table_less.contains("recover"),
+        "{table_less}"
+    );
+    let out = fx.relay_cmd("status").output().unwrap();
+    let status = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && status.contains("table-less outboxes  audit"),
+        "{status}"
+    );
+    let out = fx.relay_cmd("status").arg("--json").output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["table_less_prefixes"], serde_json::json!(["audit"]));
+    fx.cleanup().await;
+}
