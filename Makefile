@@ -8,9 +8,11 @@ SHELL := bash
 .DEFAULT_GOAL := help
 
 SERVERS := integration/servers.sh
-# The command `make test` runs against the servers; override to narrow a run:
-#   make test TEST_CMD='cargo test --test failures -- --nocapture'
-TEST_CMD ?= cargo test --all-targets --no-fail-fast -- --test-threads=4
+# `make test` runs the whole suite in two lanes, each with servers of its
+# own (integration/suite.sh). TEST_CMD narrows a run to one command against
+# one set of servers:
+#   make test TEST_CMD='cargo test --test chaos -- --nocapture'
+TEST_CMD ?=
 
 .PHONY: help build test demo bench deb lint clean
 
@@ -22,7 +24,11 @@ build: ## Build the relay (debug)
 
 test: ## Run all tests against throwaway PostgreSQL + RabbitMQ (TEST_CMD)
 	$(SERVERS) install
+ifeq ($(strip $(TEST_CMD)),)
+	integration/suite.sh
+else
 	$(SERVERS) with $(TEST_CMD)
+endif
 
 demo: ## Relay a few outbox events end to end and print the messages
 	$(SERVERS) install

@@ -23,14 +23,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The consumer example, next to the relay's binary.
-/// The example consumer, built once per test run: `cargo test` compiles
-/// examples but does not always leave them at a stable path, and a clean
-/// checkout has none yet.
+/// The example consumer: the one `make test` built before the suite
+/// (`OUTBOX_RELAY_TEST_CONSUMER`, set by integration/suite.sh), or else built
+/// once per test run here: `cargo test` compiles examples but does not
+/// always leave them at a stable path, and a clean checkout has none yet.
 fn consumer_bin() -> std::path::PathBuf {
     static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if let Some(bin) = std::env::var_os("OUTBOX_RELAY_TEST_CONSUMER") {
+                let bin = std::path::PathBuf::from(bin);
+                assert!(bin.is_file(), "OUTBOX_RELAY_TEST_CONSUMER: no file {bin:?}");
+                return bin;
+            }
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let status = Command::new(cargo)
                 .args(["build", "--quiet", "--example", "consumer"])
@@ -249,7 +254,11 @@ async fn a_producer_that_dies_before_commit_leaves_nothing() {
         )
         .await;
     assert_eq!(got.len(), 1, "{got:?}");
-    println!("producer crash: 0 rows, 0 messages; 0 duplicate deliveries");
+    println!(
+        "producer crash: 0 business rows, 0 outbox rows, {} deliveries (the later event only), {} duplicate deliveries",
+        got.len(),
+        got.len() - count_by_id(&got).len()
+    );
     relay.stop_ok();
     pg.batch_execute(&format!("DROP TABLE biz_{}", fx.name))
         .await
