@@ -47,7 +47,7 @@ mod broker;
 mod outbox;
 mod postgres;
 use broker::{broker_connect, exchanges};
-use outbox::{message_outbox, outbox_table, publication};
+use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
     pg_error_text, postgres_connect, replication_slot, role, slots_and_senders, wal_level,
 };
@@ -210,6 +210,9 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
                     ),
                     None => push(vec![message_outbox(o)]),
                 }
+            }
+            if cfg.outboxes.iter().any(|o| o.table().is_none()) {
+                push(guarded("who may write table-less events", emit_privilege(&client)).await);
             }
             push(
                 guarded(

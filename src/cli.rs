@@ -167,6 +167,24 @@ pub async fn run(
             let e = match step {
                 Ok(true) => break,
                 Ok(false) => return Ok(None), // stopped; the record stays
+                // The recovery recorded earlier lost its slot too (killed
+                // mid-recovery, then another failover): with `recover`, the
+                // lost slot is recovered, which resumes that record's window
+                // from its start (`recover_with`), not a stop forever.
+                Err(RelayError::Source(SourceError::SlotLost(why)))
+                    if !lost
+                        && cfg.postgres.on_slot_lost == OnSlotLost::Recover
+                        && !shutdown.is_cancelled() =>
+                {
+                    tracing::error!(
+                        reason = %why,
+                        "replication slot lost during a recovery: recreating it and re-publishing \
+                         the recorded window (postgres.on_slot_lost = \"recover\")"
+                    );
+                    metrics.slot_recoveries.inc();
+                    lost = true;
+                    continue;
+                }
                 Err(e) if e.is_transient() && !shutdown.is_cancelled() => e,
                 Err(e) if e.is_transient() => return Ok(None),
                 Err(e) => return Err(e),

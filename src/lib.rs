@@ -7,26 +7,17 @@
 //!         └────────── standby status (confirmed LSN) ◀── checkpoint (watermark)
 //! ```
 //!
-//! | stage | module |
-//! |---|---|
-//! | replication stream, slot and publication | [`source`] |
-//! | pgoutput wire format | [`pgoutput`] |
-//! | relation cache, outbox INSERT -> event | [`outbox`] |
-//! | event -> AMQP message | [`message`], [`template`] |
-//! | publish with confirms | [`sink`] |
-//! | confirmed-LSN watermark | [`checkpoint`] |
-//! | why a session ended, retry or stop | [`error`] |
-//! | sessions, reconnects, shutdown | [`relay`] |
-//! | re-publishing from the table | [`recover`] |
-//! | operator commands, preflight | [`cli`], [`check`] |
-//! | metrics, health | [`metrics`], [`http`] |
-//! | configuration, TLS, PostgreSQL URLs, masking secrets | [`config`], [`tls`], [`pgurl`], [`redact`] |
+//! Layers, each using only those below it (a read of the `use crate::`
+//! lines shows it):
 //!
-//! Dependencies run one way, down this list: `relay` and `recover` use
-//! `source` and `sink` (and [`error`], which wraps their errors); `source`
-//! and `sink` use neither each other nor anything above them. What they
-//! share sits below both: the watermark ([`checkpoint::Progress`]), the
-//! configuration, the message.
+//! | layer | module: what it is |
+//! |---|---|
+//! | commands | [`cli`]: the subcommands; [`check`]: the preflight report |
+//! | sessions | [`relay`]: sessions, reconnects, shutdown; [`recover`]: re-publishing from the tables, `prune` |
+//! | why a session ended | [`error`]: retry or stop, wrapping the source's and the sink's errors |
+//! | the two sides | [`source`]: replication stream, slot, publication, checkpoint table; [`sink`]: the AMQP client and publishing with confirms (neither uses the other) |
+//! | what they share | [`outbox`]: relation cache, outbox INSERT or logical message -> event; [`message`]: event -> AMQP message; [`template`]: `{column}` templates; [`checkpoint`]: the confirmed-LSN watermark and [`checkpoint::Progress`]; [`pgoutput`]: the wire format |
+//! | foundations | [`config`]: validated configuration; [`tls`]: sslmode and CAs; [`pgurl`]: PostgreSQL URLs; [`redact`]: masking secrets; [`metrics`] and [`http`]: metrics, health; [`lsn`]: WAL positions |
 //!
 //! # LSN invariants
 //!
@@ -34,9 +25,12 @@
 //!    [`checkpoint::Checkpoint::confirmed`]: the end LSN of the newest
 //!    transaction such that it and all before it are fully confirmed by the
 //!    broker, or a keepalive's position while nothing at all is pending.
-//! 2. A session starts at the slot's `confirmed_flush_lsn` and reports that
-//!    same position until it has confirmed more, so a restart replays
-//!    everything not yet durable (at-least-once; `message_id` is stable).
+//! 2. A session starts at the newest position known to be confirmed (the
+//!    slot's `confirmed_flush_lsn`, the checkpoint table's, or the last
+//!    session's on the same server and timeline: [`source::resume`]) and
+//!    reports that same position until it has confirmed more, so a restart
+//!    replays everything not yet durable and little else (at-least-once;
+//!    `message_id` is stable).
 //! 3. A confirm counts only as an `Ack` without a returned message: a nack, a
 //!    `basic.return` (unroutable with `mandatory`) or a timeout is a failure.
 //! 4. Events are published on one channel in WAL order, so the first delivery

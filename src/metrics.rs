@@ -28,6 +28,10 @@ pub mod names {
     pub const COMMIT_TO_CONFIRM: &str = "outbox_relay_commit_to_confirm_seconds";
     /// Messages awaiting a confirm.
     pub const IN_FLIGHT: &str = "outbox_relay_in_flight_messages";
+    /// Events received and not yet confirmed (queued, in flight, retrying).
+    pub const UNCONFIRMED_EVENTS: &str = "outbox_relay_unconfirmed_events";
+    /// Bytes of the messages in flight or waiting for a retry.
+    pub const UNCONFIRMED_BYTES: &str = "outbox_relay_unconfirmed_bytes";
     /// Newest LSN received from the server.
     pub const RECEIVED_LSN: &str = "outbox_relay_received_lsn";
     /// Watermark reported to the server.
@@ -119,6 +123,10 @@ pub struct Metrics {
     pub commit_to_confirm: Histogram,
     /// See [`names::IN_FLIGHT`].
     pub in_flight: Gauge,
+    /// See [`names::UNCONFIRMED_EVENTS`].
+    pub unconfirmed_events: Gauge,
+    /// See [`names::UNCONFIRMED_BYTES`].
+    pub unconfirmed_bytes: Gauge,
     /// See [`names::RECEIVED_LSN`].
     pub received_lsn: Gauge<u64, AtomicU64>,
     /// See [`names::CONFIRMED_LSN`].
@@ -165,6 +173,8 @@ impl Metrics {
                 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
             ]),
             in_flight: Gauge::default(),
+            unconfirmed_events: Gauge::default(),
+            unconfirmed_bytes: Gauge::default(),
             received_lsn: Gauge::default(),
             confirmed_lsn: Gauge::default(),
             retained_wal_bytes: Gauge::default(),
@@ -206,6 +216,16 @@ impl Metrics {
             names::IN_FLIGHT,
             "Messages published and not yet confirmed",
             m.in_flight.clone(),
+        );
+        r.register(
+            names::UNCONFIRMED_EVENTS,
+            "Events received from the slot and not yet confirmed by the broker: queued for the publisher (its queue's transaction boundaries count too), awaiting a confirm, or awaiting a retry",
+            m.unconfirmed_events.clone(),
+        );
+        r.register(
+            names::UNCONFIRMED_BYTES,
+            "Bytes of the messages awaiting a confirm or a retry (against rabbitmq.window_bytes)",
+            m.unconfirmed_bytes.clone(),
         );
         r.register(
             names::RECEIVED_LSN,

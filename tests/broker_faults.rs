@@ -168,6 +168,16 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
 /// every later test.
 struct Thaw;
 
+/// Lifts the memory alarm however a test ends (a broker left blocking would
+/// stall every later test of this binary).
+struct LiftAlarm;
+
+impl Drop for LiftAlarm {
+    fn drop(&mut self) {
+        rabbitmq_ctl(&["ctl", "set_vm_memory_high_watermark", "0.4"]);
+    }
+}
+
 impl Drop for Thaw {
     fn drop(&mut self) {
         rabbitmq_ctl(&["thaw"]);
@@ -255,5 +265,78 @@ async fn heartbeats_keep_an_idle_connection_and_notice_a_silent_broker() {
         "relay exit status after SIGTERM: {status}"
     );
     fx.refresh_amqp().await;
+    fx.cleanup().await;
+}
+
+/// The broker restarted while it blocked the relay (a resource alarm): the
+/// next session is not blocked, so `outbox_relay_broker_blocked` goes back
+/// to 0 and `/readyz` to 200 without a `connection.unblocked` ever arriving
+/// (the restart clears the runtime watermark; the old connection is gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broker_restarted_while_blocking_leaves_nothing_blocked() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::new("brkblk").await;
+    let subscriptions = fx.start_reconnecting_consumer().await;
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_LOG_FORMAT", "json")]);
+    let addr = relay.http_addr().await;
+    let pg = pg_connect().await;
+    let payload = serde_json::json!({"n": 1});
+    let first = fx.insert(&pg, "agg", "a1", "created", &payload).await;
+    fx.expect_delivered(&[first], &relay).await;
+
+    // Blocked: the alarm, then a publish that the broker holds back.
+    rabbitmq_ctl(&["ctl", "set_vm_memory_high_watermark", "0"]);
+    let _lift = LiftAlarm;
+    let held = fx.insert(&pg, "agg", "a1", "held", &payload).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sample(
+        &http_get(&addr, "/metrics").await.1,
+        "outbox_relay_broker_blocked",
+    ) != 1.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the relay never reported the broker blocked; log:\n{}",
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        http_get(&addr, "/readyz").await.0,
+        503,
+        "ready while blocked"
+    );
+    // The held event is the backlog: received, not confirmed (the gauges
+    // are refreshed once a second).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let m = http_get(&addr, "/metrics").await.1;
+    assert!(
+        sample(&m, "outbox_relay_unconfirmed_events") >= 1.0
+            && sample(&m, "outbox_relay_unconfirmed_bytes") > 0.0,
+        "a held event is not counted as unconfirmed:\n{m}"
+    );
+
+    // A restart resets the watermark to the node's configured one.
+    ctl_async(rabbitmq_ctl, &["stop"]).await;
+    ctl_async(rabbitmq_ctl, &["start"]).await;
+    fx.expect_delivered(&[held], &relay).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, _) = http_get(&addr, "/readyz").await;
+        let m = http_get(&addr, "/metrics").await.1;
+        let blocked = sample(&m, "outbox_relay_broker_blocked");
+        let waiting = sample(&m, "outbox_relay_unconfirmed_events");
+        if code == 200 && blocked == 0.0 && waiting == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after the restart: /readyz {code}, broker_blocked {blocked}, unconfirmed {waiting}; log:\n{}",
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(subscriptions.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+    relay.stop_ok();
     fx.cleanup().await;
 }

@@ -230,7 +230,7 @@ async fn dashboard_and_rules_query_only_metrics_the_relay_exports() {
     let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_LOG_FORMAT", "json")]);
-    let addr = http_addr(&relay).await;
+    let addr = relay.http_addr().await;
     let lost = fx
         .insert(&pg, "lost", "1", "e", &serde_json::json!({"deploy": 0}))
         .await;
@@ -393,26 +393,6 @@ fn exported_series(scrape: &str) -> BTreeSet<String> {
 }
 
 /// The bound address of the relay's HTTP endpoint, from its JSON log.
-async fn http_addr(relay: &Relay) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let log = std::fs::read_to_string(&relay.log).unwrap_or_default();
-        let addr = log.lines().find_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).ok()?;
-            v["addr"].as_str().map(str::to_owned)
-        });
-        if let Some(a) = addr {
-            return a;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no HTTP address in the relay's log:\n{}",
-            relay.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[test]
 fn metric_names_and_rule_exprs_extract_what_they_should() {
     assert_eq!(

@@ -132,6 +132,34 @@ async fn idle_outbox_in_a_busy_database_retains_little_wal_and_heartbeat_moves_a
         heartbeats >= 2,
         "expected a heartbeat a second, saw {heartbeats}"
     );
+
+    // A heartbeat as often as the checkpoint (1 s) does not starve it: an
+    // event's transaction reaches the checkpoint table within a few seconds
+    // (it is written once a second while the heartbeat fires every second).
+    let id = fx.insert(&pg, "w", "2", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[id], &relay).await;
+    let committed = current_lsn(&pg).await;
+    let t0 = Instant::now();
+    let mut recorded = None;
+    while t0.elapsed() < Duration::from_secs(10) {
+        let row = pg
+            .query_opt(
+                "SELECT confirmed_lsn::text FROM public.outbox_relay_checkpoint WHERE slot_name = $1",
+                &[&fx.slot],
+            )
+            .await
+            .unwrap();
+        recorded = row.map(|r| r.get::<_, String>(0).parse::<Lsn>().unwrap());
+        if recorded.is_some_and(|l| l >= committed) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        recorded.is_some_and(|l| l >= committed),
+        "checkpoint at {recorded:?}, not past {committed}, 10 s after the event (heartbeat_secs = 1); log:\n{}",
+        relay.log_tail()
+    );
     relay.sigterm();
     fx.cleanup().await;
 }

@@ -12,16 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// Value of the first sample whose line starts with `prefix`.
-fn sample(metrics: &str, prefix: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(prefix) && !l.starts_with('#'))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let end = Instant::now() + Duration::from_secs(30);
     while Instant::now() < end {
@@ -75,21 +65,7 @@ async fn metrics_health_logs_and_secrets() {
         ("OUTBOX_RELAY_POSTGRES_URL", &role_url),
         ("OUTBOX_RELAY_LOG_FORMAT", "json"),
     ]);
-    // The bound address of the endpoint, from the JSON log.
-    let mut addr = String::new();
-    wait_for("the HTTP endpoint's address in the log", async || {
-        let log = std::fs::read_to_string(&relay.log).unwrap_or_default();
-        for line in log.lines() {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-                if let Some(a) = v["addr"].as_str() {
-                    addr = a.to_owned();
-                    return true;
-                }
-            }
-        }
-        false
-    })
-    .await;
+    let addr = relay.http_addr().await;
 
     assert_eq!(http_get(&addr, "/healthz").await.0, 200);
     wait_for("/readyz 200", async || {

@@ -511,6 +511,10 @@ async fn check_and_status_cover_every_outbox() {
         table_less.contains("lost slot") && table_less.contains("recover"),
         "{table_less}"
     );
+    // The harness's server is stock: PUBLIC may emit logical messages, so
+    // anyone who can connect could forge table-less events.
+    let emit = line("warn who may write table-less events");
+    assert!(emit.contains("REVOKE EXECUTE"), "{emit}");
     let out = fx.relay_cmd("status").output().unwrap();
     let status = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -97,6 +97,40 @@ async fn prune_deletes_only_old_confirmed_rows_and_publishes_nothing() {
     let out = prune(&fx, &["--older-than", "1d", "--batch", "3"]);
     assert!(out.contains("deleted 10 rows"), "{out}");
     assert_eq!(rows(&pg, &fx).await, 10);
+    // The ten young rows are the ones left, not any ten.
+    let left: Vec<String> = pg
+        .query(
+            &format!("SELECT id::text FROM {} ORDER BY created_at, id", fx.table),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut young = ids[10..].to_vec();
+    young.sort();
+    let mut left_sorted = left.clone();
+    left_sorted.sort();
+    assert_eq!(left_sorted, young, "prune deleted young rows");
+    // The deletes never reach the stream because the publication carries
+    // inserts only (the relay would also ignore a DELETE it was sent, so
+    // the message check below alone could not tell).
+    let publishes: (bool, bool, bool) = {
+        let r = pg
+            .query_one(
+                "SELECT pubdelete, pubupdate, pubtruncate FROM pg_publication WHERE pubname = $1",
+                &[&fx.publication],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(
+        publishes,
+        (false, false, false),
+        "the publication carries deletes, updates or truncates"
+    );
     let after = fx
         .insert(&pg, "p", "after", "e", &serde_json::json!({}))
         .await;

@@ -85,6 +85,34 @@ pub(super) fn message_outbox(o: &OutboxConfig) -> Line {
     )
 }
 
+/// Who may write table-less events: `pg_logical_emit_message` is
+/// executable by PUBLIC in stock PostgreSQL, so any role that can connect
+/// could emit events (ids, routes and all) into a table-less outbox, where a
+/// table outbox needs INSERT on its table.
+pub(super) async fn emit_privilege(client: &Client) -> Result<Vec<Line>, CheckError> {
+    let public: bool = client
+        .query_one(
+            "SELECT has_function_privilege('public', \
+             'pg_logical_emit_message(boolean, text, text)', 'execute')",
+            &[],
+        )
+        .await?
+        .get(0);
+    let what = "who may write table-less events";
+    Ok(vec![if public {
+        Line::warn(
+            what,
+            "PUBLIC may call pg_logical_emit_message: any role that can connect to this database \
+             can publish events, with ids and routes of its choosing. As a superuser: REVOKE \
+             EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) FROM PUBLIC; \
+             GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO \
+             <the application's role>, <the relay's role, for postgres.heartbeat_secs>",
+        )
+    } else {
+        Line::ok(what, "pg_logical_emit_message is not executable by PUBLIC")
+    }])
+}
+
 pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckError> {
     let pg = &cfg.postgres;
     let tables: Vec<(&OutboxConfig, &TableName)> = (cfg.outboxes.iter())

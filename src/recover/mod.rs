@@ -250,6 +250,17 @@ async fn recover_with(
         }
         slot::setup(&client, cfg).await?;
         info!(slot = %cfg.postgres.slot, "replication slot recreated");
+        let table_less: Vec<&str> = cfg.outboxes.iter().filter_map(|o| o.prefix()).collect();
+        if !table_less.is_empty() {
+            tracing::error!(
+                prefixes = %table_less.join(", "),
+                since = %recovery.since,
+                "the table-less outboxes' events written since the last checkpoint are LOST with \
+                 the slot: they were never stored in a table, so nothing can re-publish them \
+                 (PostgreSQL 17 failover slots and a generous max_slot_wal_keep_size guard \
+                 against this; see README, High availability)"
+            );
+        }
     }
     let published = finish(cfg, &client, recovery, commit_ts, selected, stop).await?;
     Ok(RecoverOutcome::Republished {

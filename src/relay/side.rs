@@ -28,6 +28,11 @@ pub(super) async fn side_tasks(
     };
     let mut heartbeat = cfg.postgres.heartbeat.map(tokio::time::interval);
     let mut retained = tokio::time::interval(RETAINED_WAL_EVERY);
+    // An interval, not a sleep made anew each turn of the loop: another
+    // branch firing as often (a heartbeat every second) would restart a
+    // sleep for ever, and the checkpoint would never be written.
+    let mut checkpoint = tokio::time::interval(CHECKPOINT_EVERY);
+    checkpoint.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut written: Option<i64> = None;
     let mut checkpoint_warned = false;
     let mut longest_warned = false;
@@ -35,7 +40,7 @@ pub(super) async fn side_tasks(
         tokio::select! {
             biased;
             _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {
+            _ = checkpoint.tick() => {
                 // Only a new durable transaction is worth a write: writing
                 // on keepalives would itself make WAL, forever.
                 let p = *progress.borrow_and_update();

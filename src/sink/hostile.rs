@@ -11,7 +11,7 @@ use amq_protocol::protocol::{AMQPClass, basic, connection};
 use tokio::io::AsyncWriteExt;
 
 use super::scripted::{Peer, broker, connect, message, next_event};
-use super::wire::{Target, Wire, WireError, watch_peer};
+use super::wire::{Target, Wire, WireError, nesting, watch_peer};
 
 /// A `connection.start` whose server properties nest an array `depth`
 /// levels deep (5 bytes a level): a recursive parser needs a stack frame
@@ -75,6 +75,19 @@ fn a_deeply_nested_frame_does_not_overflow_the_stack() {
         .unwrap()
         .join()
         .expect("the handshake thread failed");
+}
+
+/// A body frame's payload is opaque bytes: its `F`s are no tables, so a
+/// returned body full of them parses on the caller's stack, not on a thread
+/// with a stack sized for thousands of levels. Method frames still count.
+#[test]
+fn only_frames_that_hold_tables_count_as_nested() {
+    let mut body = vec![3u8, 0, 1];
+    body.extend_from_slice(&4096u32.to_be_bytes());
+    body.extend(std::iter::repeat_n(b'F', 4096));
+    body.push(0xCE);
+    assert_eq!(nesting(&body), 0);
+    assert!(nesting(&nested_start(100)) >= 100);
 }
 
 /// An ack between a return and its content header would settle a message

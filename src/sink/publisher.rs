@@ -454,8 +454,12 @@ impl<'a> Publisher<'a> {
         Ok(())
     }
 
-    fn update_gauges(&self) {
-        self.metrics.in_flight.set(self.cp.in_flight() as i64);
+    /// `queued`: items waiting in the queue from the source.
+    fn update_gauges(&self, queued: usize) {
+        let in_flight = self.cp.in_flight() as i64;
+        self.metrics.in_flight.set(in_flight);
+        (self.metrics.unconfirmed_events).set(in_flight.saturating_add(queued as i64));
+        (self.metrics.unconfirmed_bytes).set(self.held as i64);
         let lag = self
             .cp
             .oldest_pending_commit_time_us()
@@ -518,7 +522,11 @@ pub async fn run(
     let full_window = cfg.window as u64;
     let mut open = true;
     let mut drain_deadline: Option<Instant> = None;
+    // A session starts unblocked (the broker says `connection.blocked` anew
+    // on a connection that must wait), whatever the last one ended in: a
+    // gauge left at 1 would keep `/readyz` at 503 and the alert firing.
     let mut blocked_logged = false;
+    metrics.blocked.set(0);
     let mut gauges = tokio::time::interval(Duration::from_secs(1));
     let closing = |p: &Publisher<'_>| {
         if p.cp.in_flight() > 0 {
@@ -571,7 +579,7 @@ pub async fn run(
                 // Once a second, first: it must not starve behind a
                 // stream of answers (the confirm deadline, the gauges).
                 _ = gauges.tick() => {
-                    p.update_gauges();
+                    p.update_gauges(items.len());
                     let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
                     if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
                         return Err(SinkError::ConfirmTimeout {
@@ -625,6 +633,8 @@ pub async fn run(
         }
     }
     .await;
+    // Between sessions nothing is blocked: the next connection is asked anew.
+    metrics.blocked.set(0);
     if r.is_err() {
         // Which message the session failed with, for the next one to blame
         // if this keeps happening (see `replies`).

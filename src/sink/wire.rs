@@ -44,6 +44,8 @@ pub(super) use connect::watch_peer;
 #[cfg(test)]
 pub(super) use frames::encode_frame;
 pub use frames::header_frame_len;
+#[cfg(test)]
+pub(super) use frames::nesting;
 use frames::{encode_envelope, encode_view, unexpected};
 
 /// The socket, plain or TLS.

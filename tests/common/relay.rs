@@ -107,6 +107,27 @@ impl Relay {
         true
     }
 
+    /// The bound address of the HTTP endpoint, from the log (the relay must
+    /// log JSON: `OUTBOX_RELAY_LOG_FORMAT=json`); waits up to 30 s.
+    pub async fn http_addr(&self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let addr = self.log_text().lines().find_map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).ok()?;
+                v["addr"].as_str().map(str::to_owned)
+            });
+            if let Some(a) = addr {
+                return a;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no HTTP address in the relay's log:\n{}",
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Panics, with the log, if the process has exited.
     pub fn assert_running(&mut self, context: &str) {
         if let Ok(Some(status)) = self.child.try_wait() {
@@ -130,4 +151,15 @@ pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
     let code = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
     let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     (code, body)
+}
+
+/// Value of the first sample in a `/metrics` scrape whose line starts with
+/// `prefix`; 0 if there is none.
+pub fn sample(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
 }

@@ -163,6 +163,16 @@ impl Wire {
 /// caller's stack.
 pub(super) const SHALLOW: usize = 64;
 
+/// The most table or array levels a frame could hold: its `F` and `A`
+/// bytes. Only method and content-header frames (types 1 and 2) hold
+/// tables; a body frame's payload is opaque bytes, however many `F`s it has.
+pub(in crate::sink) fn nesting(raw: &[u8]) -> usize {
+    match raw.first() {
+        Some(1 | 2) => raw.iter().filter(|&&b| b == b'F' || b == b'A').count(),
+        _ => 0,
+    }
+}
+
 /// Parses one frame. amq-protocol parses nested tables and arrays
 /// recursively, a stack frame or more per level, and each level takes a
 /// type byte (`F` or `A`): a frame with few of them parses here; one that
@@ -174,7 +184,7 @@ pub(super) fn parse_nested(raw: &[u8]) -> Result<AMQPFrame, WireError> {
         Ok((_, frame)) => Ok(frame),
         Err(e) => Err(WireError::Protocol(format!("unparsable frame: {e}"))),
     };
-    let levels = raw.iter().filter(|&&b| b == b'F' || b == b'A').count();
+    let levels = nesting(raw);
     if levels <= SHALLOW {
         return parse(raw);
     }
