@@ -36,7 +36,7 @@ done
 # (tests/crash_windows.rs runs it), so that no test builds it mid-run.
 cargo test --all-targets --no-run
 cargo build --example consumer
-export OUTBOX_RELAY_TEST_CONSUMER=$PWD/target/debug/examples/consumer
+export TEST_CONSUMER_BIN=$PWD/target/debug/examples/consumer
 
 # Servers of the caller's own (TEST_PG_URL, TEST_AMQP_URL): one set, so one
 # lane, or one lane's faults would reach the other's tests.

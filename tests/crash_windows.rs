@@ -24,16 +24,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The example consumer: the one `make test` built before the suite
-/// (`OUTBOX_RELAY_TEST_CONSUMER`, set by integration/suite.sh), or else built
+/// (`TEST_CONSUMER_BIN`, set by integration/suite.sh), or else built
 /// once per test run here: `cargo test` compiles examples but does not
 /// always leave them at a stable path, and a clean checkout has none yet.
 fn consumer_bin() -> std::path::PathBuf {
     static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            if let Some(bin) = std::env::var_os("OUTBOX_RELAY_TEST_CONSUMER") {
+            if let Some(bin) = std::env::var_os("TEST_CONSUMER_BIN") {
                 let bin = std::path::PathBuf::from(bin);
-                assert!(bin.is_file(), "OUTBOX_RELAY_TEST_CONSUMER: no file {bin:?}");
+                assert!(bin.is_file(), "TEST_CONSUMER_BIN: no file {bin:?}");
                 return bin;
             }
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
