@@ -139,6 +139,20 @@ impl Command {
 /// relay instead.
 const RECOVER_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// A slot lost again within [`RECOVER_AGAIN_AFTER`] of `run` recovering it
+/// stops the relay rather than re-publish the window in a loop.
+fn lost_again(recovered_at: Option<std::time::Instant>, why: &str) -> Result<(), RelayError> {
+    if recovered_at.is_some_and(|t| t.elapsed() < RECOVER_AGAIN_AFTER) {
+        return Err(RelayError::Source(SourceError::Setup(format!(
+            "{why}; the slot was lost again within {} minutes of its recovery: \
+             not recovering in a loop. Find out why (max_slot_wal_keep_size, a \
+             failover under way, someone dropping it), then run `outbox-relay recover`",
+            RECOVER_AGAIN_AFTER.as_secs() / 60
+        ))));
+    }
+    Ok(())
+}
+
 /// `run`: returns the final confirmed LSN (`None`: stopped before or
 /// between sessions).
 pub async fn run(
@@ -176,6 +190,8 @@ pub async fn run(
                         && cfg.postgres.on_slot_lost == OnSlotLost::Recover
                         && !shutdown.is_cancelled() =>
                 {
+                    lost_again(recovered_at, &why)?;
+                    recovered_at = Some(std::time::Instant::now());
                     tracing::error!(
                         reason = %why,
                         "replication slot lost during a recovery: recreating it and re-publishing \
@@ -201,14 +217,7 @@ pub async fn run(
             Err(RelayError::Source(SourceError::SlotLost(why)))
                 if cfg.postgres.on_slot_lost == OnSlotLost::Recover && !shutdown.is_cancelled() =>
             {
-                if recovered_at.is_some_and(|t| t.elapsed() < RECOVER_AGAIN_AFTER) {
-                    return Err(RelayError::Source(SourceError::Setup(format!(
-                        "{why}; the slot was lost again within {} minutes of its recovery: \
-                         not recovering in a loop. Find out why (max_slot_wal_keep_size, a \
-                         failover under way, someone dropping it), then run `outbox-relay recover`",
-                        RECOVER_AGAIN_AFTER.as_secs() / 60
-                    ))));
-                }
+                lost_again(recovered_at, &why)?;
                 recovered_at = Some(std::time::Instant::now());
                 tracing::error!(
                     reason = %why,

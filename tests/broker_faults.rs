@@ -174,13 +174,18 @@ struct LiftAlarm;
 
 impl Drop for LiftAlarm {
     fn drop(&mut self) {
-        rabbitmq_ctl(&["ctl", "set_vm_memory_high_watermark", "0.4"]);
+        let args = ["ctl", "set_vm_memory_high_watermark", "0.4"];
+        if let Err(e) = try_server_ctl("TEST_RABBITMQ_CTL", &args) {
+            eprintln!("lifting the memory alarm: {e}");
+        }
     }
 }
 
 impl Drop for Thaw {
     fn drop(&mut self) {
-        rabbitmq_ctl(&["thaw"]);
+        if let Err(e) = try_server_ctl("TEST_RABBITMQ_CTL", &["thaw"]) {
+            eprintln!("thawing the broker: {e}");
+        }
     }
 }
 

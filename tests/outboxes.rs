@@ -514,7 +514,30 @@ async fn check_and_status_cover_every_outbox() {
     // The harness's server is stock: PUBLIC may emit logical messages, so
     // anyone who can connect could forge table-less events.
     let emit = line("warn who may write table-less events");
-    assert!(emit.contains("REVOKE EXECUTE"), "{emit}");
+    assert!(
+        emit.contains("REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean,text,text)")
+            && emit.contains("pg_logical_emit_message(boolean,text,bytea)"),
+        "{emit}"
+    );
+    // Every overload revoked (as the warning says), `check` says so; the
+    // grants are put back at once (other tests' relays emit heartbeats).
+    let pg = pg_connect().await;
+    let overloads =
+        "pg_logical_emit_message(boolean,text,text), pg_logical_emit_message(boolean,text,bytea)";
+    pg.batch_execute(&format!(
+        "REVOKE EXECUTE ON FUNCTION {overloads} FROM PUBLIC"
+    ))
+    .await
+    .unwrap();
+    let again = fx.relay_cmd("check").output().unwrap();
+    pg.batch_execute(&format!("GRANT EXECUTE ON FUNCTION {overloads} TO PUBLIC"))
+        .await
+        .unwrap();
+    let again = String::from_utf8_lossy(&again.stdout).into_owned();
+    assert!(
+        again.contains("ok who may write table-less events"),
+        "{again}"
+    );
     let out = fx.relay_cmd("status").output().unwrap();
     let status = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -53,6 +53,12 @@ fn id_of(db: &str, name: &str) -> Option<u32> {
 /// not an operator's. It holds "created-user" when the test made the user.
 const MARKER: &str = "/var/lib/outbox-relay-package-test";
 
+/// The link `systemctl enable outbox-relay` makes (the unit's WantedBy).
+const ENABLED: &str = "/etc/systemd/system/multi-user.target.wants/outbox-relay.service";
+
+/// A file an operator keeps beside the config (a name no operator uses).
+const OPERATOR_CA: &str = "/etc/outbox-relay/package-test-ca.pem";
+
 /// Purges the package (and the user, when the test created it) however
 /// the test ends short of a kill; the marker covers a kill.
 struct Installed {
@@ -87,6 +93,9 @@ impl Drop for Installed {
             let _ = Command::new("userdel").arg("outbox-relay").output();
             let _ = Command::new("groupdel").arg("outbox-relay").output();
         }
+        let _ = std::fs::remove_file(ENABLED);
+        let _ = std::fs::remove_file(OPERATOR_CA);
+        let _ = std::fs::remove_dir("/etc/outbox-relay");
         let _ = std::fs::remove_file(MARKER);
     }
 }
@@ -314,18 +323,33 @@ async fn the_package_installs_checks_upgrades_and_purges_cleanly() {
     );
     std::fs::write(config, &edited).unwrap();
 
-    // Removal keeps the config (a conffile), purge takes it; nothing of the
-    // package is left.
+    // What an operator adds: the unit enabled (the link `systemctl enable`
+    // makes from its [Install] section) and a CA file beside the config.
+    std::fs::create_dir_all(Path::new(ENABLED).parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(unit, ENABLED).unwrap();
+    std::fs::write(OPERATOR_CA, "operator's CA\n").unwrap();
+
+    // Removal keeps the config (a conffile), purge takes it and the enable
+    // link, and keeps the operator's own file; nothing of the package is
+    // left.
     run(Command::new("dpkg").args(["-r", "outbox-relay"]));
     assert!(!Path::new("/usr/bin/outbox-relay").exists());
     assert!(!Path::new(unit).exists());
     assert!(!Path::new("/usr/share/outbox-relay").exists());
     assert!(Path::new(config).exists(), "remove keeps the config");
     run(Command::new("dpkg").args(["--purge", "outbox-relay"]));
+    assert!(!Path::new(config).exists(), "purge removes the config");
     assert!(
-        !Path::new("/etc/outbox-relay").exists(),
-        "purge removes /etc/outbox-relay"
+        std::fs::symlink_metadata(ENABLED).is_err(),
+        "purge left the enable link {ENABLED}"
     );
+    assert_eq!(
+        std::fs::read_to_string(OPERATOR_CA).unwrap(),
+        "operator's CA\n",
+        "purge removed a file the operator put in /etc/outbox-relay"
+    );
+    std::fs::remove_file(OPERATOR_CA).unwrap();
+    std::fs::remove_dir("/etc/outbox-relay").unwrap();
     assert!(!installed(), "still known to dpkg after purge");
     drop(guard);
     fx.cleanup().await;

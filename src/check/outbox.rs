@@ -85,32 +85,46 @@ pub(super) fn message_outbox(o: &OutboxConfig) -> Line {
     )
 }
 
-/// Who may write table-less events: `pg_logical_emit_message` is
-/// executable by PUBLIC in stock PostgreSQL, so any role that can connect
+/// Who may write table-less events: `pg_logical_emit_message` (every
+/// overload: text and bytea content, and PostgreSQL 17's `flush` argument)
+/// is executable by PUBLIC in stock PostgreSQL, so any role that can connect
 /// could emit events (ids, routes and all) into a table-less outbox, where a
 /// table outbox needs INSERT on its table.
 pub(super) async fn emit_privilege(client: &Client) -> Result<Vec<Line>, CheckError> {
-    let public: bool = client
-        .query_one(
-            "SELECT has_function_privilege('public', \
-             'pg_logical_emit_message(boolean, text, text)', 'execute')",
+    let open: Vec<String> = client
+        .query(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p \
+             WHERE p.proname = 'pg_logical_emit_message' \
+               AND p.pronamespace = 'pg_catalog'::regnamespace \
+               AND has_function_privilege('public', p.oid, 'EXECUTE') \
+             ORDER BY 1",
             &[],
         )
         .await?
-        .get(0);
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     let what = "who may write table-less events";
-    Ok(vec![if public {
-        Line::warn(
+    if open.is_empty() {
+        return Ok(vec![Line::ok(
             what,
-            "PUBLIC may call pg_logical_emit_message: any role that can connect to this database \
-             can publish events, with ids and routes of its choosing. As a superuser: REVOKE \
-             EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) FROM PUBLIC; \
-             GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO \
-             <the application's role>, <the relay's role, for postgres.heartbeat_secs>",
-        )
-    } else {
-        Line::ok(what, "pg_logical_emit_message is not executable by PUBLIC")
-    }])
+            "no pg_logical_emit_message is executable by PUBLIC",
+        )]);
+    }
+    let revoke: Vec<String> = (open.iter())
+        .map(|f| format!("REVOKE EXECUTE ON FUNCTION {f} FROM PUBLIC;"))
+        .collect();
+    Ok(vec![Line::warn(
+        what,
+        format!(
+            "PUBLIC may call {}: any role that can connect to this database can publish events, \
+             with ids and routes of its choosing. As a superuser: {} then GRANT EXECUTE ON \
+             FUNCTION ... TO the application's role (and the relay's, for \
+             postgres.heartbeat_secs)",
+            open.join(", "),
+            revoke.join(" ")
+        ),
+    )])
 }
 
 pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckError> {

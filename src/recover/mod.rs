@@ -386,7 +386,11 @@ pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bo
         return Ok(true);
     }
     // Only the relay that may stream the slot finishes its recovery (a
-    // standby waits, as for streaming), and only one (the lock).
+    // standby waits, as for streaming), and only one (the lock). A server
+    // still in recovery (an address that points at a standby during a
+    // failover) has no slot yet, and is no proof the slot was lost: it
+    // fails here, as it fails the stream, and is retried.
+    crate::source::resume::server(&client, &cfg.postgres).await?;
     slot::usable_slot(&client, cfg).await?;
     lock_recovery(&client, cfg).await?;
     // Finished by another meanwhile?

@@ -21,17 +21,30 @@ pub fn amqp_url() -> String {
 /// Runs `integration/servers.sh <target> <args>`: stop/start the broker,
 /// restart PostgreSQL, set a memory alarm.
 pub fn server_ctl(var: &str, args: &[&str]) {
-    let ctl = std::env::var(var).unwrap_or_else(|_| {
-        panic!("{var} is not set: this test needs the servers started by integration/servers.sh")
-    });
+    if let Err(e) = try_server_ctl(var, args) {
+        panic!("{e}");
+    }
+}
+
+/// As [`server_ctl`], reporting failure instead of panicking: for `Drop`
+/// guards, where a second panic while a test unwinds would abort the whole
+/// test binary.
+pub fn try_server_ctl(var: &str, args: &[&str]) -> Result<(), String> {
+    let ctl = std::env::var(var).map_err(|_| {
+        format!("{var} is not set: this test needs the servers started by integration/servers.sh")
+    })?;
     let mut parts = ctl.split_whitespace();
-    let prog = parts.next().expect("empty ctl command");
+    let prog = parts.next().ok_or("empty ctl command")?;
     let status = Command::new(prog)
         .args(parts)
         .args(args)
         .status()
-        .unwrap_or_else(|e| panic!("running {ctl}: {e}"));
-    assert!(status.success(), "{ctl} {args:?} failed: {status}");
+        .map_err(|e| format!("running {ctl}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{ctl} {args:?} failed: {status}"))
+    }
 }
 
 pub fn rabbitmq_ctl(args: &[&str]) {
