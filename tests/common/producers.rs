@@ -64,6 +64,9 @@ pub struct ProducerReport {
     pub committed_txs: usize,
     pub rolled_back_txs: usize,
     pub failed_txs: usize,
+    /// Connections found broken (by any statement, a transaction's or the
+    /// position query after a COMMIT) and made anew.
+    pub lost_connections: usize,
     /// `pg_current_wal_insert_lsn()` right after the last COMMIT that
     /// returned Ok; `None` if there was none, or if that query failed (then
     /// the caller must use a later position).
@@ -181,6 +184,7 @@ pub fn spawn_producer(
                 report.rolled_back.extend(ids());
                 report.failed_txs += 1;
                 conn = None;
+                report.lost_connections += 1;
                 continue;
             }
             if rollback {
@@ -191,6 +195,7 @@ pub fn spawn_producer(
                     Ok(Ok(()))
                 ) {
                     conn = None;
+                    report.lost_connections += 1;
                 }
             } else {
                 match tokio::time::timeout(OP_TIMEOUT, pg.batch_execute("COMMIT")).await {
@@ -206,6 +211,7 @@ pub fn spawn_producer(
                             Ok(Ok(row)) => Some(row.get::<_, String>(0).parse().unwrap()),
                             _ => {
                                 conn = None;
+                                report.lost_connections += 1;
                                 None
                             }
                         };
@@ -214,6 +220,7 @@ pub fn spawn_producer(
                         report.in_doubt.extend(events);
                         report.failed_txs += 1;
                         conn = None;
+                        report.lost_connections += 1;
                     }
                 }
             }
