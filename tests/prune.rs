@@ -75,6 +75,32 @@ async fn prune_deletes_only_old_confirmed_rows_and_publishes_nothing() {
         )
     };
 
+    // Another slot's recent row, and none for this relay's slot: nothing
+    // is known of what this slot confirmed, so nothing is pruned.
+    pg.execute(
+        &format!("UPDATE {checkpoint} SET slot_name = 'another_slot' WHERE slot_name = $1"),
+        &[&fx.slot],
+    )
+    .await
+    .unwrap();
+    let out = fx
+        .relay_cmd("prune")
+        .args(["--older-than", "1d"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("no confirmed position recorded"),
+        "prune without this slot's checkpoint: {said}"
+    );
+    assert_eq!(rows(&pg, &fx).await, 20);
+    pg.execute(
+        &format!("UPDATE {checkpoint} SET slot_name = $1 WHERE slot_name = 'another_slot'"),
+        &[&fx.slot],
+    )
+    .await
+    .unwrap();
+
     // A checkpoint older than the rows: none of them is known confirmed.
     pg.execute(&set_commit("3 days"), &[]).await.unwrap();
     let out = prune(&fx, &["--older-than", "1d"]);

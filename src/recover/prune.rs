@@ -71,21 +71,19 @@ pub async fn prune(
                 "SELECT (min(extract(epoch FROM last_commit_time)) * 1e6)::float8, \
                         max((to_jsonb(c) ->> 'longest_tx_secs')::float8), \
                         bool_or(to_jsonb(c) ->> 'recovery_since' IS NOT NULL), \
-                        bool_or(last_commit_time IS NULL) FROM {t} c"
+                        bool_or(last_commit_time IS NULL), \
+                        bool_or(slot_name = $1) FROM {t} c"
             ),
-            &[],
+            &[&cfg.postgres.slot],
         )
         .await
         .map_err(sql_err(
             &cfg.postgres,
             format!("reading the checkpoints in {t}"),
         ))?;
-    let (oldest, longest, recovering, unknown): (
-        Option<f64>,
-        Option<f64>,
-        Option<bool>,
-        Option<bool>,
-    ) = (row.get(0), row.get(1), row.get(2), row.get(3));
+    let (oldest, longest): (Option<f64>, Option<f64>) = (row.get(0), row.get(1));
+    let (recovering, unknown, mine): (Option<bool>, Option<bool>, Option<bool>) =
+        (row.get(2), row.get(3), row.get(4));
     if recovering == Some(true) {
         return Err(SourceError::Setup(format!(
             "a recovery is under way (see {t}): its rows must stay until it completes; prune \
@@ -93,7 +91,10 @@ pub async fn prune(
         ))
         .into());
     }
-    let (Some(commit_us), Some(false)) = (oldest, unknown) else {
+    // This relay's own slot must have a row: without one (the relay never
+    // wrote a checkpoint, or writes it elsewhere), the other slots' rows
+    // say nothing of what this slot has confirmed.
+    let (Some(commit_us), Some(false), Some(true)) = (oldest, unknown, mine) else {
         return Err(SourceError::Setup(format!(
             "no confirmed position recorded for every slot in {t} (slot {:?}, or another): \
              nothing is known to be confirmed there, so nothing is pruned (run the relays until \
