@@ -14,6 +14,8 @@ use super::replies::Disposition;
 use super::scripted::{Peer, broker, connect, message, next_event};
 use super::wire::{Event, Target, WireError, encode_frame};
 
+mod closes;
+
 #[tokio::test]
 async fn wrong_credentials_stop_and_the_close_is_answered() {
     let (t, broker) = broker("127.0.0.1", |mut p| async move {
@@ -56,16 +58,23 @@ async fn a_vhost_that_is_down_is_retried() {
     broker.await.unwrap();
 }
 
+/// Another kind of server on the port is named, and stops the relay:
+/// from the first octet, however few it sends (then waits, or closes).
 #[tokio::test]
 async fn a_server_that_does_not_speak_amqp_is_named() {
-    for (answer, says) in [
-        (&b"HTTP/1.1 400 Bad Request\r\n\r\n"[..], "HTTP"),
-        (&b"\x15\x03\x03\x00\x02\x02\x46"[..], "amqps://"),
+    for (answer, says, then_close) in [
+        (&b"HTTP/1.1 400 Bad Request\r\n\r\n"[..], "HTTP", false),
+        (&b"\x15\x03\x03\x00\x02\x02\x46"[..], "amqps://", false),
+        (&b"-ERR\r\n"[..], "it sent \"-ERR", false),
+        (&b"\x15\x03"[..], "amqps://", true),
+        (&b"AMQ"[..], "it sent \"AMQ\"", true),
     ] {
         let (t, broker) = broker("127.0.0.1", move |mut p| async move {
             let _ = p.read_more().await;
             p.s.write_all(answer).await.unwrap();
-            let _ = p.read_more().await;
+            if !then_close {
+                let _ = p.read_more().await;
+            }
         })
         .await;
         let e = connect(&t).await.unwrap_err();
@@ -207,60 +216,6 @@ async fn answers_in_pieces_returns_acks_nacks_and_blocking() {
     broker.abort();
 }
 
-/// The broker closes the publishing channel (406): the client answers
-/// close-ok at once, reports the close, and still closes the connection
-/// cleanly (connection.close, then a FIN).
-#[tokio::test]
-async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
-    let (t, broker) = broker("127.0.0.1", |mut p| async move {
-        p.handshake(131_072).await;
-        p.publish().await;
-        p.send_method(
-            1,
-            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-                reply_code: 406,
-                reply_text:
-                    "PRECONDITION_FAILED - message size 9 is larger than configured max size 8"
-                        .into(),
-                class_id: 60,
-                method_id: 40,
-            })),
-        )
-        .await;
-        let (ch, m) = p.method().await;
-        assert_eq!(ch, 1);
-        assert!(
-            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
-            "{m:?}"
-        );
-        let (_, m) = p.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_))),
-            "{m:?}"
-        );
-        p.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-        )
-        .await;
-        assert!(p.frame().await.is_none(), "expected EOF after close-ok");
-    })
-    .await;
-    let mut w = connect(&t).await.unwrap();
-    w.publish(message("a", 9)).unwrap();
-    let e = next_event(&mut w).await.unwrap_err();
-    assert_eq!(e.disposition(), Disposition::BodyLimit(8));
-    assert!(
-        w.publish(message("b", 1)).is_err(),
-        "published on a closed channel"
-    );
-    tokio::time::timeout(Duration::from_secs(10), w.close())
-        .await
-        .unwrap()
-        .unwrap();
-    broker.await.unwrap();
-}
-
 /// `frame_max` 4096: a body is cut into frames of at most 4096 bytes
 /// (4088 of payload), and arrives whole; the boundary case too.
 #[tokio::test]
@@ -383,7 +338,7 @@ async fn the_connection_has_tcp_keepalive() {
     let port = listener.local_addr().unwrap().port();
     let task = tokio::spawn(async move {
         let (s, peer) = listener.accept().await.unwrap();
-        let mut p = Peer { s, buf: Vec::new() };
+        let mut p = Peer::new(s);
         p.handshake(131_072).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let want = format!("0100007F:{:04X}", peer.port());
@@ -511,7 +466,7 @@ async fn never_confirms(mode: &'static str) {
     let count = published.clone();
     let broker = tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
-        let mut p = Peer { s, buf: Vec::new() };
+        let mut p = Peer::new(s);
         p.handshake(131_072).await;
         // Confirms every message but the first, each on its own.
         if mode == "all-but-first" {

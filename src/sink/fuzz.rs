@@ -12,7 +12,7 @@ use amq_protocol::types::FieldTable;
 use proptest::prelude::*;
 use tokio::io::AsyncWriteExt;
 
-use super::wire::{Target, Wire, encode_frame};
+use super::wire::{Target, Wire, WireError, encode_frame};
 
 /// Frames a broker may send the publishing side, valid.
 fn valid_stream() -> Vec<u8> {
@@ -100,22 +100,45 @@ fn valid_handshake() -> Vec<u8> {
     bytes
 }
 
-/// Feeds `bytes` as the broker's side of a connection, then EOF: from the
-/// protocol header on if `handshake`, else to an open connection. Reads
-/// events until an error; returns how many there were (`None`: the
-/// handshake failed).
-fn feed_from(bytes: Vec<u8>, handshake: bool) -> Option<usize> {
+/// How the fed stream ends.
+#[derive(Clone, Copy, PartialEq)]
+enum End {
+    /// EOF after the last byte.
+    Eof,
+    /// Nothing more, ever, and the socket stays open: a broker gone
+    /// silent. Time is paused and jumps to the next timer whenever the
+    /// client waits, so the heartbeat timer fires (two intervals of
+    /// silence, up to 65,535 s each, take no real time).
+    Silent,
+}
+
+/// Feeds `bytes` as the broker's side of a connection, then `end`: from
+/// the protocol header on if `handshake`, else to an open connection.
+/// Reads events until an error; returns how many there were and the
+/// error (`None`: the handshake failed, or after a silent broker's
+/// truncated handshake, waits for the caller's deadline; `Eof` for a
+/// silent broker with heartbeats off, which waits for TCP keepalive).
+fn feed_from(bytes: Vec<u8>, handshake: bool, end: End) -> Option<(usize, WireError)> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .start_paused(end == End::Silent)
         .build()
         .unwrap();
     rt.block_on(async move {
         // Room for everything the client writes: the broker never reads.
         let (ours, mut theirs) = tokio::io::duplex(bytes.len() + 64 * 1024);
         theirs.write_all(&bytes).await.unwrap();
-        // EOF for the client's reads; its writes still land.
-        theirs.shutdown().await.unwrap();
-        let step = Duration::from_secs(5);
+        // Longer than two of the longest heartbeat intervals: a silent
+        // broker's heartbeat deadline always comes first. In paused time
+        // this takes no real time; a busy loop would never reach it.
+        let step = match end {
+            End::Eof => {
+                // EOF for the client's reads; its writes still land.
+                theirs.shutdown().await.unwrap();
+                Duration::from_secs(5)
+            }
+            End::Silent => Duration::from_secs(3 * 65_536),
+        };
         let mut w = if handshake {
             let target = Target {
                 uri: super::parse_amqp_url("amqp://u:p@fuzz/v").unwrap(),
@@ -125,6 +148,9 @@ fn feed_from(bytes: Vec<u8>, handshake: bool) -> Option<usize> {
             match tokio::time::timeout(step, Wire::handshake_over(ours, &target)).await {
                 Ok(Ok(w)) => w,
                 Ok(Err(_)) => return None,
+                // No heartbeats before tune: `Wire::connect`'s caller
+                // sets the handshake's deadline.
+                Err(_) if end == End::Silent => return None,
                 Err(_) => panic!("handshake hung on {} bytes", bytes.len()),
             }
         } else {
@@ -134,8 +160,25 @@ fn feed_from(bytes: Vec<u8>, handshake: bool) -> Option<usize> {
         loop {
             match tokio::time::timeout(step, w.event()).await {
                 Ok(Ok(_)) => events += 1,
-                Ok(Err(_)) => return Some(events),
-                Err(_) => panic!("hung on {} bytes", bytes.len()),
+                Ok(Err(e)) => {
+                    // No EOF was sent: a protocol error or the missed
+                    // heartbeat ends it, never an EOF.
+                    assert!(
+                        end == End::Eof || !matches!(e, WireError::Eof),
+                        "EOF from a silent broker"
+                    );
+                    return Some((events, e));
+                }
+                // Heartbeats off: nothing to notice a silent broker with
+                // but TCP keepalive (on a real socket).
+                Err(_) if end == End::Silent && w.heartbeat().is_none() => {
+                    return Some((events, WireError::Eof));
+                }
+                Err(_) => panic!(
+                    "hung on {} bytes (heartbeat {:?})",
+                    bytes.len(),
+                    w.heartbeat()
+                ),
             }
             // Every event consumed at least one whole frame (8 bytes).
             assert!(
@@ -148,7 +191,9 @@ fn feed_from(bytes: Vec<u8>, handshake: bool) -> Option<usize> {
 }
 
 fn feed(bytes: Vec<u8>) -> usize {
-    feed_from(bytes, false).expect("no handshake to fail")
+    feed_from(bytes, false, End::Eof)
+        .expect("no handshake to fail")
+        .0
 }
 
 /// `bytes` with bytes replaced at `flips`, then cut at `cut`.
@@ -189,7 +234,7 @@ proptest! {
     /// panics or hangs.
     #[test]
     fn arbitrary_handshakes(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
-        feed_from(bytes, true);
+        feed_from(bytes, true, End::Eof);
     }
 
     /// A valid handshake and stream with bytes flipped, cut or inserted:
@@ -199,7 +244,18 @@ proptest! {
         flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
         cut in any::<prop::sample::Index>(),
     ) {
-        feed_from(mutate(valid_handshake(), flips, cut), true);
+        feed_from(mutate(valid_handshake(), flips, cut), true, End::Eof);
+    }
+
+    /// The same, from a broker that then goes silent with the socket
+    /// open: whatever heartbeat the mutated tune negotiates, its timer
+    /// fires and a dead broker is noticed.
+    #[test]
+    fn mutated_handshakes_then_silence(
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        feed_from(mutate(valid_handshake(), flips, cut), true, End::Silent);
     }
 }
 
@@ -213,5 +269,16 @@ fn the_valid_stream_is_read_whole() {
 /// And after a whole handshake, the same.
 #[test]
 fn the_valid_handshake_is_read_whole() {
-    assert_eq!(feed_from(valid_handshake(), true), Some(4));
+    let (events, e) = feed_from(valid_handshake(), true, End::Eof).unwrap();
+    assert_eq!(events, 4);
+    assert!(matches!(e, WireError::Eof), "{e}");
+}
+
+/// A valid handshake (heartbeat 60 s), the frames, then silence: read
+/// whole, then two intervals without a byte end it.
+#[test]
+fn a_silent_broker_after_a_valid_handshake_is_noticed_by_its_heartbeat() {
+    let (events, e) = feed_from(valid_handshake(), true, End::Silent).unwrap();
+    assert_eq!(events, 4);
+    assert!(matches!(e, WireError::HeartbeatMissed(120)), "{e}");
 }

@@ -7,23 +7,42 @@ use std::time::Duration;
 use amq_protocol::frame::{AMQPFrame, parse_frame};
 use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection};
 use amq_protocol::types::FieldTable;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 
 use super::wire::{Event, Target, Wire, WireError, encode_frame};
 use crate::message::Envelope;
 
+/// The broker's side of a socket: TCP, or TLS over it.
+pub(super) trait PeerIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> PeerIo for T {}
+
 /// The broker's end of one connection.
 pub(super) struct Peer {
-    pub(super) s: TcpStream,
+    pub(super) s: Box<dyn PeerIo>,
     pub(super) buf: Vec<u8>,
+    /// The read that ended the stream failed (over TLS: the socket closed
+    /// without a `close_notify`).
+    pub(super) unclean_eof: bool,
 }
 
 impl Peer {
+    pub(super) fn new(s: impl PeerIo + 'static) -> Peer {
+        Peer {
+            s: Box::new(s),
+            buf: Vec::new(),
+            unclean_eof: false,
+        }
+    }
+
     pub(super) async fn read_more(&mut self) -> bool {
         let mut chunk = [0u8; 65536];
         match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut chunk)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => false,
+            Ok(Ok(0)) => false,
+            Ok(Err(_)) => {
+                self.unclean_eof = true;
+                false
+            }
             Ok(Ok(n)) => {
                 self.buf.extend_from_slice(&chunk[..n]);
                 true
@@ -198,7 +217,7 @@ where
     let port = listener.local_addr().unwrap().port();
     let task = tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
-        script(Peer { s, buf: Vec::new() }).await;
+        script(Peer::new(s)).await;
     });
     let in_url = if host.contains(':') {
         format!("[{host}]")

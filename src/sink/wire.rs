@@ -282,6 +282,12 @@ impl Wire {
         self.frame_max
     }
 
+    /// The negotiated heartbeat interval (`None`: off).
+    #[cfg(test)]
+    pub(in crate::sink) fn heartbeat(&self) -> Option<Duration> {
+        self.heartbeat
+    }
+
     fn next_tag(&mut self) -> u64 {
         let tag = self.next_tag;
         self.next_tag += 1;

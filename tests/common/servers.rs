@@ -229,21 +229,22 @@ pub fn broker_logged_closes(slot: &str) -> Vec<bool> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let log = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        // A connection's Erlang pid, from the line naming it.
-        let pids: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains(&name) && l.contains("authenticated and granted access"))
-            .filter_map(|l| l.split(" connection ").nth(1)?.split(' ').next())
-            .collect();
-        let closes: Vec<Option<bool>> = pids
+        let lines: Vec<&str> = log.lines().collect();
+        // Each connection by its Erlang pid, from the line naming it; its
+        // end is the first line after that one about the same pid (a pid
+        // an earlier connection had says nothing of this one).
+        let closes: Vec<Option<bool>> = lines
             .iter()
-            .map(|pid| {
-                let mut lines = log.lines().skip_while(|l| {
+            .enumerate()
+            .filter(|(_, l)| l.contains(&name) && l.contains("authenticated and granted access"))
+            .filter_map(|(i, l)| Some((i, l.split(" connection ").nth(1)?.split(' ').next()?)))
+            .map(|(i, pid)| {
+                let mut after = lines[i + 1..].iter().skip_while(|l| {
                     !l.contains(&format!("closing AMQP connection {pid} "))
                         && !l.contains(&format!("Error on AMQP connection {pid} "))
                 });
-                let first = lines.next()?;
-                let next = lines.next().unwrap_or_default();
+                let first = after.next()?;
+                let next = after.next().copied().unwrap_or_default();
                 Some(
                     first.contains("[info]")
                         && first.ends_with(')')

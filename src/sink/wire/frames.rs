@@ -50,7 +50,7 @@ impl Wire {
             while self.heartbeat_timer.as_mut().poll(cx).is_ready() {
                 // What the broker sent while nobody read counts as heard.
                 match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
-                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(WireError::Eof)),
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(self.eof())),
                     Poll::Ready(Ok(_)) => self.last_read = Instant::now(),
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
                     Poll::Pending => {}
@@ -70,7 +70,7 @@ impl Wire {
                 self.rbuf.reserve(64 * 1024);
             }
             match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.rbuf) {
-                Poll::Ready(Ok(0)) => return Poll::Ready(Err(WireError::Eof)),
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(self.eof())),
                 Poll::Ready(Ok(_)) => self.last_read = Instant::now(),
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
                 Poll::Pending => return Poll::Pending,
@@ -120,6 +120,11 @@ impl Wire {
 
     /// A complete frame from the read buffer, if there is one.
     pub(super) fn parse(&mut self) -> Result<Option<AMQPFrame>, WireError> {
+        // Before the first frame, one octet tells another kind of server
+        // (the first frame is a method, or the broker's protocol header).
+        if !self.greeted && !self.rbuf.is_empty() && !matches!(self.rbuf[0], 1 | 2 | 3 | 8 | b'A') {
+            return Err(self.not_amqp());
+        }
         if self.rbuf.len() < 7 {
             return Ok(None);
         }
@@ -130,16 +135,8 @@ impl Wire {
                 "the broker does not speak AMQP 0-9-1 on this port (rabbitmq.url)".into(),
             ));
         }
-        if !matches!(self.rbuf[0], 1 | 2 | 3 | 8) && !self.greeted {
-            // Not an AMQP frame: another kind of server on this port.
-            let what = match self.rbuf[0] {
-                0x15 | 0x16 => "it speaks TLS: use amqps://".to_owned(),
-                _ if self.rbuf.starts_with(b"HTTP") => "it speaks HTTP".to_owned(),
-                _ => format!("it sent {:?}", String::from_utf8_lossy(&self.rbuf[..7])),
-            };
-            return Err(WireError::Unsupported(format!(
-                "the server at rabbitmq.url is not an AMQP 0-9-1 broker ({what}); check the host, port and scheme"
-            )));
+        if self.rbuf[0] == b'A' && !self.greeted {
+            return Err(self.not_amqp());
         }
         self.greeted = true;
         let size = u32::from_be_bytes([self.rbuf[3], self.rbuf[4], self.rbuf[5], self.rbuf[6]]);
@@ -156,6 +153,33 @@ impl Wire {
         }
         let raw = self.rbuf.split_to(total);
         parse_nested(&raw).map(Some)
+    }
+}
+
+impl Wire {
+    /// What a server that sent `rbuf` before any AMQP frame is: named for
+    /// the operator (TLS, HTTP, or the bytes), with the setting to check.
+    fn not_amqp(&self) -> WireError {
+        let shown = &self.rbuf[..self.rbuf.len().min(7)];
+        let what = match self.rbuf[0] {
+            0x15 | 0x16 => "it speaks TLS: use amqps://".to_owned(),
+            _ if self.rbuf.starts_with(b"HTTP") => "it speaks HTTP".to_owned(),
+            _ => format!("it sent {:?}", String::from_utf8_lossy(shown)),
+        };
+        WireError::Unsupported(format!(
+            "the server at rabbitmq.url is not an AMQP 0-9-1 broker ({what}); check the host, port and scheme"
+        ))
+    }
+
+    /// The error for a socket that closed: EOF, or, if what came before
+    /// it cannot begin an AMQP frame ("AMQ" cut short), what kind of
+    /// server this is. A broker that dies inside its first frame is EOF.
+    pub(super) fn eof(&self) -> WireError {
+        if !self.greeted && !self.rbuf.is_empty() && !matches!(self.rbuf[0], 1 | 2 | 3 | 8) {
+            self.not_amqp()
+        } else {
+            WireError::Eof
+        }
     }
 }
 
