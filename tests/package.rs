@@ -379,6 +379,29 @@ async fn the_container_recipe_and_manifest_match_the_relay() {
     );
     assert!(dockerfile.contains("EXPOSE 9187"), "EXPOSE 9187");
     assert!(dockerfile.contains("OUTBOX_RELAY_HTTP_LISTEN=0.0.0.0:9187"));
+    // Every path dependency Cargo.toml patches in is in the build context
+    // before the first RUN (its `cargo fetch` reads them).
+    let cargo_toml = std::fs::read_to_string(repo_path("Cargo.toml")).unwrap();
+    let before_cargo: Vec<&str> = dockerfile
+        .lines()
+        .take_while(|l| !l.starts_with("RUN "))
+        .filter(|l| l.starts_with("COPY "))
+        .collect();
+    let patched: Vec<&str> = cargo_toml
+        .lines()
+        .skip_while(|l| !l.starts_with("[patch."))
+        .filter_map(|l| l.split_once("path = \"")?.1.split('"').next())
+        .collect();
+    assert!(!patched.is_empty() || !cargo_toml.contains("[patch."));
+    for path in patched {
+        let top = path.split('/').next().unwrap();
+        assert!(
+            before_cargo
+                .iter()
+                .any(|l| l.split_whitespace().nth(1) == Some(top)),
+            "Cargo.toml patches in {path}, which the Dockerfile does not copy before cargo runs"
+        );
+    }
     for copied in dockerfile.lines().filter_map(|l| l.strip_prefix("COPY ")) {
         if copied.starts_with("--from") {
             continue;

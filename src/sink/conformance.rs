@@ -88,6 +88,39 @@ async fn a_server_that_does_not_speak_amqp_is_named() {
     }
 }
 
+/// A broker that dies inside its first frame (`connection.start` cut
+/// short, before or after the frame header) is a lost connection, retried:
+/// never taken for another kind of server, which would stop the relay.
+#[tokio::test]
+async fn a_broker_that_dies_inside_its_first_frame_is_retried() {
+    let start = encode_frame(
+        Vec::new(),
+        &AMQPFrame::Method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: Default::default(),
+                mechanisms: "PLAIN".into(),
+                locales: "en_US".into(),
+            })),
+        ),
+    )
+    .unwrap();
+    for cut in [1, 2, 6, 7, 12, start.len() - 1] {
+        let sent = start[..cut].to_vec();
+        let (t, broker) = broker("127.0.0.1", move |mut p| async move {
+            let _ = p.read_more().await;
+            p.s.write_all(&sent).await.unwrap();
+        })
+        .await;
+        let e = connect(&t).await.unwrap_err();
+        assert!(matches!(e, WireError::Eof), "cut at {cut}: {e}");
+        assert_eq!(e.disposition(), Disposition::Transient, "cut at {cut}");
+        broker.await.unwrap();
+    }
+}
+
 /// amq-protocol-uri reads an IPv6 host as "localhost": the client must
 /// connect to the address in the URL (this broker listens on ::1 only).
 #[tokio::test]

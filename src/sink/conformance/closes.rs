@@ -71,16 +71,7 @@ async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
 /// close_notify" (what RabbitMQ sees from a client that drops the socket).
 #[tokio::test]
 async fn over_tls_the_connection_ends_with_close_notify() {
-    let (server, roots) = tls_pair();
-    let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let broker = tokio::spawn(async move {
-        let (tcp, _) = listener.accept().await.unwrap();
-        let tls = tokio_rustls::TlsAcceptor::from(server)
-            .accept(tcp)
-            .await
-            .unwrap();
-        let mut p = Peer::new(tls);
+    let (t, broker) = tls_broker(|mut p| async move {
         p.handshake(131_072).await;
         let (_, m) = p.method().await;
         assert!(
@@ -97,19 +88,72 @@ async fn over_tls_the_connection_ends_with_close_notify() {
             !p.unclean_eof,
             "the socket closed without a TLS close_notify"
         );
-    });
-    let uri = super::super::parse_amqp_url(&format!("amqps://u:p@localhost:{port}/v")).unwrap();
-    let t = Target {
-        uri,
-        tls: Some(roots),
-        connection_name: "conformance".into(),
-    };
+    })
+    .await;
     let w = connect(&t).await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), w.close())
         .await
         .unwrap()
         .unwrap();
     broker.await.unwrap();
+}
+
+/// The broker closes the connection first (320, a node shutting down):
+/// over TLS, close-ok, then `close_notify`.
+#[tokio::test]
+async fn over_tls_a_close_from_the_broker_is_answered_then_close_notify() {
+    let (t, broker) = tls_broker(|mut p| async move {
+        p.handshake(131_072).await;
+        p.close_connection(320, "CONNECTION_FORCED - broker forced connection closure")
+            .await;
+        let (ch, m) = p.method().await;
+        assert_eq!(ch, 0);
+        assert!(
+            matches!(m, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))),
+            "{m:?}"
+        );
+        assert!(p.frame().await.is_none(), "expected the end after close-ok");
+        assert!(
+            !p.unclean_eof,
+            "the socket closed without a TLS close_notify"
+        );
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    let e = next_event(&mut w).await.unwrap_err();
+    assert_eq!(e.disposition(), Disposition::Transient, "{e}");
+    tokio::time::timeout(Duration::from_secs(10), w.close())
+        .await
+        .unwrap()
+        .unwrap();
+    broker.await.unwrap();
+}
+
+/// A TLS broker on 127.0.0.1 running `script` for one connection, and the
+/// client's target (`amqps://…@localhost`, trusting exactly its CA).
+async fn tls_broker<F, Fut>(script: F) -> (Target, tokio::task::JoinHandle<()>)
+where
+    F: FnOnce(Peer) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let (server, roots) = tls_pair();
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let task = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let tls = tokio_rustls::TlsAcceptor::from(server)
+            .accept(tcp)
+            .await
+            .unwrap();
+        script(Peer::new(tls)).await;
+    });
+    let uri = super::super::parse_amqp_url(&format!("amqps://u:p@localhost:{port}/v")).unwrap();
+    let target = Target {
+        uri,
+        tls: Some(roots),
+        connection_name: "conformance".into(),
+    };
+    (target, task)
 }
 
 /// A server config with a certificate for `localhost`, and a client

@@ -127,7 +127,11 @@ proptest! {
     #[test]
     fn header_bytes_is_the_header_frames_size(
         keys in proptest::collection::vec(
-            prop_oneof!["[a-zA-Z_-]{1,40}", Just("aggregate_id".to_owned())], 0..16),
+            prop_oneof![
+                "[a-zA-Z_-]{1,40}",
+                Just("aggregate_id".to_owned()),
+                Just("aggregate_type".to_owned()),
+            ], 0..16),
         texts in proptest::collection::vec("\\PC{0,200}", 16),
         aggregate_id in "\\PC{0,300}",
     ) {
