@@ -454,9 +454,13 @@ impl Envelope {
     }
 }
 
-/// The event's id as text, whatever state the row is in (`?` when it has
-/// none), for logs and errors.
+/// The event's id as text, whatever state the row is in, for logs, errors
+/// and dead letters: a logical message that could not be mapped is named
+/// by its WAL position (`lsn-0/16B3748`); `?` for a row without one.
 pub fn event_id(ev: &OutboxEvent) -> String {
+    if let Err(MappingError::Message { at, .. }) = &ev.mapping {
+        return format!("lsn-{at}");
+    }
     ev.mapping
         .as_ref()
         .ok()

@@ -50,6 +50,8 @@ pub mod names {
     pub const STREAMING: &str = "outbox_relay_streaming";
     /// Lost slots recreated, and their outbox rows re-published, by `run`.
     pub const SLOT_RECOVERIES: &str = "outbox_relay_slot_recoveries";
+    /// Non-transactional logical messages with an outbox's prefix, skipped.
+    pub const SKIPPED_MESSAGES: &str = "outbox_relay_skipped_messages";
 }
 
 /// What became of an event.
@@ -145,6 +147,8 @@ pub struct Metrics {
     pub streaming: Gauge,
     /// See [`names::SLOT_RECOVERIES`].
     pub slot_recoveries: Counter,
+    /// See [`names::SKIPPED_MESSAGES`].
+    pub skipped_messages: Counter,
     registry: Arc<Registry>,
 }
 
@@ -184,6 +188,7 @@ impl Metrics {
             blocked: Gauge::default(),
             streaming: Gauge::default(),
             slot_recoveries: Counter::default(),
+            skipped_messages: Counter::default(),
             registry: Arc::new(Registry::default()),
         };
         r.register(names::EVENTS, "Outbox events by outcome", m.events.clone());
@@ -281,6 +286,11 @@ impl Metrics {
             "Lost replication slots recreated, and their outbox rows re-published, by run (postgres.on_slot_lost = \"recover\")",
             m.slot_recoveries.clone(),
         );
+        r.register(
+            names::SKIPPED_MESSAGES,
+            "Non-transactional logical messages with an outbox prefix, skipped (emit them with pg_logical_emit_message(true, ...))",
+            m.skipped_messages.clone(),
+        );
         Metrics {
             registry: Arc::new(r),
             ..m
@@ -324,6 +334,7 @@ mod tests {
             "outbox_relay_reconnects_total{target=\"rabbitmq\"} 1",
             "outbox_relay_confirm_latency_seconds_bucket",
             "outbox_relay_slot_recoveries_total 0",
+            "outbox_relay_skipped_messages_total 0",
             "outbox_relay_slot_safe_wal_bytes -1",
             "outbox_relay_retries_total{reason=\"nacked\"} 0",
             "outbox_relay_reconnects_total{target=\"postgres\"} 0",

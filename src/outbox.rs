@@ -107,11 +107,15 @@ pub enum MappingError {
         /// Config key that names it.
         key: String,
     },
-    /// A table-less outbox's logical message is not a JSON object.
-    #[error("logical message with prefix {prefix:?} (outbox {key}): {reason}")]
+    /// A table-less outbox's logical message is not a JSON object, or has
+    /// no id.
+    #[error("logical message with prefix {prefix:?} at {at} (outbox {key}): {reason}")]
     Message {
         /// The message prefix.
         prefix: String,
+        /// Its position in the WAL: the same on every replay, so its dead
+        /// letter's `message_id` (`lsn-<at>`) is stable.
+        at: Lsn,
         /// The outbox's config key.
         key: String,
         /// What is wrong with it.
@@ -225,6 +229,9 @@ pub enum Decoded {
     Event(OutboxEvent),
     /// Anything else: schema messages, other tables, other kinds of change.
     Nothing,
+    /// A non-transactional logical message with an outbox's prefix:
+    /// skipped (and counted).
+    Skipped,
 }
 
 /// Errors that stop the stream: the WAL itself cannot be understood.
@@ -423,7 +430,10 @@ impl OutboxDecoder {
                 self.commit();
                 Ok(Decoded::Nothing)
             }
-            LogicalMessage::Message(m) => self.message(m.flags & 1 == 1, &m.prefix, m.content),
+            LogicalMessage::Message(m) => {
+                let at = Lsn(m.lsn);
+                self.message(m.flags & 1 == 1, &m.prefix, m.content, at)
+            }
             LogicalMessage::Origin(_)
             | LogicalMessage::Type(_)
             | LogicalMessage::Update(_)
@@ -439,6 +449,7 @@ impl OutboxDecoder {
         transactional: bool,
         prefix: &str,
         content: Bytes,
+        at: Lsn,
     ) -> Result<Decoded, StreamError> {
         let Some(emitted) = self.messages.get(prefix) else {
             return Ok(Decoded::Nothing);
@@ -451,11 +462,11 @@ impl OutboxDecoder {
                 "skipping a non-transactional logical message with an outbox prefix; emit outbox \
                  events with pg_logical_emit_message(true, ...)"
             );
-            return Ok(Decoded::Nothing);
+            return Ok(Decoded::Skipped);
         }
         let commit_time_us = self.open_tx.ok_or(StreamError::OutsideTransaction)?;
         let outbox = emitted.outbox;
-        let (tuple, mapping) = emitted::row(&self.outboxes[outbox], emitted, content);
+        let (tuple, mapping) = emitted::row(&self.outboxes[outbox], emitted, content, at);
         Ok(Decoded::Event(OutboxEvent {
             tuple,
             mapping,

@@ -416,6 +416,19 @@ async fn report_final(repl: &mut ReplicationClient, confirmed: Lsn, interval: Du
     }
 }
 
+/// What a decoded WAL message sends the publisher, if anything; counts a
+/// skipped non-transactional outbox message.
+fn sink_item(decoded: Decoded, metrics: &Metrics) -> Option<SinkItem> {
+    match decoded {
+        Decoded::Event(ev) => Some(SinkItem::Event(ev)),
+        Decoded::Nothing => None,
+        Decoded::Skipped => {
+            metrics.skipped_messages.inc();
+            None
+        }
+    }
+}
+
 async fn source_loop(
     repl: &mut ReplicationClient,
     decoder: &mut OutboxDecoder,
@@ -461,9 +474,9 @@ async fn source_loop(
                 }
             }
             Ok(Some(ReplicationEvent::XLogData { data, .. })) => {
-                match decoder.decode(data).map_err(SourceError::from)? {
-                    Decoded::Event(ev) => SinkItem::Event(ev),
-                    Decoded::Nothing => continue,
+                match sink_item(decoder.decode(data).map_err(SourceError::from)?, metrics) {
+                    Some(item) => item,
+                    None => continue,
                 }
             }
             Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
@@ -482,16 +495,16 @@ async fn source_loop(
             }
             Ok(Some(ReplicationEvent::Message {
                 transactional,
+                lsn,
                 prefix,
                 content,
-                ..
-            })) => match decoder
-                .message(transactional, &prefix, content)
-                .map_err(SourceError::from)?
-            {
-                Decoded::Event(ev) => SinkItem::Event(ev),
-                Decoded::Nothing => continue,
-            },
+            })) => {
+                let decoded = decoder.message(transactional, &prefix, content, lsn.into());
+                match sink_item(decoded.map_err(SourceError::from)?, metrics) {
+                    Some(item) => item,
+                    None => continue,
+                }
+            }
             Ok(Some(ReplicationEvent::StoppedAt { .. })) => continue,
             Ok(None) => return Err(SourceError::Ended.into()),
             Err(source) => {

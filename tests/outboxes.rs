@@ -4,167 +4,14 @@
 //! published in the order they were written.
 
 mod common;
+#[path = "outboxes/support.rs"]
+mod support;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use tokio_postgres::Client;
-
-/// One event written by [`write_tx`].
-#[derive(Debug, Clone)]
-struct Written {
-    /// The table, or `message`.
-    into: String,
-    id: String,
-    aggregate: String,
-    seq: u64,
-}
-
-/// Where an event of [`write_tx`] goes: an outbox table, or the message
-/// prefix.
-#[derive(Debug, Clone)]
-enum Into {
-    Table(String),
-    Message(String),
-}
-
-/// Writes one transaction of `events` (target, aggregate) with per-aggregate
-/// sequence numbers; commits or rolls back. Returns what it wrote.
-async fn write_tx(
-    pg: &mut Client,
-    events: &[(Into, String)],
-    seqs: &mut HashMap<String, u64>,
-    commit: bool,
-) -> Vec<Written> {
-    let tx = pg.transaction().await.unwrap();
-    let mut out = Vec::new();
-    for (into, aggregate) in events {
-        let seq = seqs.entry(aggregate.clone()).or_default();
-        *seq += 1;
-        let payload = serde_json::json!({"aggregate": aggregate, "seq": *seq});
-        let id = match into {
-            Into::Table(t) => tx
-                .query_one(
-                    &format!(
-                        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
-                         VALUES ('order', $1, 'placed', $2::text::jsonb) RETURNING id::text"
-                    ),
-                    &[aggregate, &payload.to_string()],
-                )
-                .await
-                .unwrap()
-                .get::<_, String>(0),
-            Into::Message(prefix) => {
-                let id = format!("m-{aggregate}-{seq}-{}", std::process::id());
-                let content = serde_json::json!({
-                    "id": id, "aggregate_type": "order", "aggregate_id": aggregate,
-                    "event_type": "placed", "payload": payload,
-                });
-                let schema: serde_json::Value =
-                    serde_json::from_str(include_str!("../schema/emitted.schema.json")).unwrap();
-                assert!(jsonschema::is_valid(&schema, &content), "{content}");
-                tx.execute(
-                    "SELECT pg_logical_emit_message(true, $1, $2::text)",
-                    &[prefix, &content.to_string()],
-                )
-                .await
-                .unwrap();
-                id
-            }
-        };
-        out.push(Written {
-            into: match into {
-                Into::Table(t) => t.clone(),
-                Into::Message(_) => "message".into(),
-            },
-            id,
-            aggregate: aggregate.clone(),
-            seq: *seq,
-        });
-    }
-    if commit {
-        tx.commit().await.unwrap();
-    } else {
-        tx.rollback().await.unwrap();
-    }
-    out
-}
-
-/// Every committed event delivered, none rolled back, nothing unknown, and
-/// first deliveries in per-aggregate order. Returns the duplicates.
-fn check(committed: &[Written], rolled_back: &[Written], got: &[Received]) -> usize {
-    let counts = count_by_id(got);
-    let missing: Vec<&str> = (committed.iter())
-        .filter(|w| !counts.contains_key(&w.id))
-        .map(|w| w.id.as_str())
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "{} of {} committed events never arrived, e.g. {:?}",
-        missing.len(),
-        committed.len(),
-        &missing[..missing.len().min(5)]
-    );
-    for w in rolled_back {
-        assert!(
-            !counts.contains_key(&w.id),
-            "rolled back {} was delivered",
-            w.id
-        );
-    }
-    let known: HashMap<&str, &Written> = committed.iter().map(|w| (w.id.as_str(), w)).collect();
-    let mut last: HashMap<&str, u64> = HashMap::new();
-    let mut first = std::collections::HashSet::new();
-    for r in got {
-        let id = r.message_id();
-        let w = known
-            .get(id.as_str())
-            .unwrap_or_else(|| panic!("delivered {id}, which nobody wrote (or rolled back)"));
-        if !first.insert(id.clone()) {
-            continue;
-        }
-        let prev = last.insert(w.aggregate.as_str(), w.seq).unwrap_or(0);
-        assert!(
-            w.seq > prev,
-            "aggregate {}: first delivery of seq {} after seq {prev}",
-            w.aggregate,
-            w.seq
-        );
-    }
-    counts.values().map(|c| c - 1).sum()
-}
-
-/// The fixture's config with its single `[outbox]` replaced by `outboxes`
-/// (TOML), written to its file.
-fn set_outboxes(fx: &Fixture, rabbitmq_extra: &str, postgres_extra: &str, outboxes: &str) {
-    let text = fx.config_text(rabbitmq_extra);
-    let single = format!("[outbox]\ntable = \"public.{}\"\n", fx.table);
-    assert!(text.contains(&single), "{text}");
-    let text = text.replace(&single, outboxes).replace(
-        "status_interval_ms = 200",
-        &format!("status_interval_ms = 200\n{postgres_extra}"),
-    );
-    std::fs::write(&fx.config, text).unwrap();
-}
-
-fn setup(fx: &Fixture) -> String {
-    let out = fx.relay_cmd("setup").output().unwrap();
-    let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "setup: {said}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    said
-}
-
-async fn create_table(pg: &Client, name: &str) {
-    let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
-        .unwrap()
-        .replace("CREATE TABLE outbox", &format!("CREATE TABLE {name}"));
-    pg.batch_execute(&ddl).await.unwrap();
-}
+use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_tables_on_one_slot_survive_kill9_in_order() {
@@ -360,7 +207,8 @@ async fn table_less_messages_and_rows_arrive_in_wal_order() {
     setup(&fx);
     fx.start_consumer().await;
     let mut dlq = fx.consume(&fx.scoped("dlq")).await;
-    let relay = fx.spawn_relay();
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_LOG_FORMAT", "json")]);
+    let addr = relay.http_addr().await;
     let mut pg = pg_connect().await;
 
     // Rows and messages in the same transactions, same aggregates.
@@ -452,9 +300,21 @@ async fn table_less_messages_and_rows_arrive_in_wal_order() {
         "{why}"
     );
     assert_eq!(&dead.body[..], b"this is not json");
+    // Named by its WAL position: stable on replay, its own.
+    assert!(
+        dead.message_id().starts_with("lsn-0/"),
+        "{}",
+        dead.message_id()
+    );
     assert!(
         relay.log_text().contains("non-transactional"),
         "the skip is logged"
+    );
+    let (_, metrics) = http_get(&addr, "/metrics").await;
+    assert_eq!(
+        sample(&metrics, "outbox_relay_skipped_messages_total"),
+        1.0,
+        "the skip is counted"
     );
     println!(
         "rows and messages: {} committed ({} messages), {} deliveries, {dups} duplicates",
@@ -547,5 +407,113 @@ async fn check_and_status_cover_every_outbox() {
     let out = fx.relay_cmd("status").arg("--json").output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["table_less_prefixes"], serde_json::json!(["audit"]));
+    fx.cleanup().await;
+}
+
+/// `recover` and `prune` over every outbox at once: after the slot is
+/// lost, the rows of both tables written meanwhile are re-published, and
+/// the table-less outbox's are said to be lost (they were never stored);
+/// `prune` then deletes the old confirmed rows of both tables, and only
+/// those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recover_and_prune_cover_every_table() {
+    let mut fx = Fixture::new("recoverall").await;
+    let mut pg = pg_connect().await;
+    let (a, b) = (fx.table.clone(), format!("{}_b", fx.table));
+    create_table(&pg, &b).await;
+    let prefix = fx.scoped("events");
+    set_outboxes(
+        &fx,
+        "",
+        "",
+        &format!(
+            "[[outbox]]\ntable = \"public.{a}\"\n\n[[outbox]]\ntable = \"public.{b}\"\n\n\
+             [[outbox]]\nsource = \"message\"\nprefix = \"{prefix}\"\n"
+        ),
+    );
+    setup(&fx);
+    fx.start_consumer().await;
+    let mut seqs = HashMap::new();
+    let one_each = |tag: &str| {
+        vec![
+            (Into::Table(a.clone()), format!("{tag}-a")),
+            (Into::Table(b.clone()), format!("{tag}-b")),
+            (Into::Message(prefix.clone()), format!("{tag}-m")),
+        ]
+    };
+    let relay = fx.spawn_relay();
+    let old = write_tx(&mut pg, &one_each("old"), &mut seqs, true).await;
+    let old_ids: Vec<String> = old.iter().map(|w| w.id.clone()).collect();
+    fx.expect_delivered(&old_ids, &relay).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
+    relay.stop_ok();
+
+    // While no relay runs: one event into each outbox; then the slot goes.
+    let down = write_tx(&mut pg, &one_each("down"), &mut seqs, true).await;
+    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    let out = fx.relay_cmd("recover").output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "recover: {said}");
+    assert!(
+        said.contains("LOST") && said.contains(&prefix),
+        "recover did not say the table-less events are lost: {said}"
+    );
+    let relay = fx.spawn_relay();
+    let (rows, message): (Vec<&Written>, Vec<&Written>) =
+        down.iter().partition(|w| w.into != "message");
+    let row_ids: Vec<String> = rows.iter().map(|w| w.id.clone()).collect();
+    assert_eq!(row_ids.len(), 2);
+    let got = fx
+        .collect_until(
+            &row_ids,
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await;
+    assert!(
+        !got.iter().any(|r| r.message_id() == message[0].id),
+        "a table-less event from before the slot was recreated arrived"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
+    relay.stop_ok();
+
+    // The first rows of both tables made old (an UPDATE is not published).
+    for (t, w) in [(&a, &old[0]), (&b, &old[1])] {
+        pg.execute(
+            &format!("UPDATE {t} SET created_at = now() - interval '2 days' WHERE id::text = $1"),
+            &[&w.id],
+        )
+        .await
+        .unwrap();
+    }
+    let out = fx
+        .relay_cmd("prune")
+        .args(["--older-than", "1d"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "prune: {said}");
+    for t in [&a, &b] {
+        assert!(
+            said.contains(&format!("deleted 1 rows of public.{t} ")),
+            "{said}"
+        );
+        let left: Vec<String> = pg
+            .query(&format!("SELECT id::text FROM {t}"), &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let want = down.iter().find(|w| w.into == *t).unwrap();
+        assert_eq!(left, std::slice::from_ref(&want.id), "{t}");
+    }
     fx.cleanup().await;
 }

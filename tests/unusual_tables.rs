@@ -267,6 +267,42 @@ async fn a_two_phase_slot_is_refused() {
     f.cleanup().await;
 }
 
+/// A partitioned outbox listed beside one of its own partitions: its rows
+/// would come twice, or under the wrong mapping. `setup` and `run` both
+/// refuse, naming the two entries; nothing is streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_listed_beside_its_root_is_refused() {
+    let f = Fixture::with_ddl("partoverlap", "", PARTITIONED).await;
+    let text = f.config_text("");
+    let single = format!("[outbox]\ntable = \"public.{}\"\n", f.table);
+    assert!(text.contains(&single), "{text}");
+    let both = format!(
+        "[[outbox]]\ntable = \"public.{0}\"\n\n[[outbox]]\ntable = \"public.{0}_orders\"\n",
+        f.table
+    );
+    std::fs::write(&f.config, text.replace(&single, &both)).unwrap();
+    let said = |out: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let names_both = |text: &str| {
+        text.contains("are the same table or partitions of one another")
+            && text.contains("outbox[0].table")
+            && text.contains("outbox[1].table")
+    };
+    let out = f.relay_cmd("setup").output().unwrap();
+    assert!(!out.status.success(), "setup took both:\n{}", said(&out));
+    assert!(names_both(&said(&out)), "{}", said(&out));
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "run took both: {status}");
+    assert!(names_both(&log), "{log}");
+    f.cleanup().await;
+}
+
 /// The pid of the walsender streaming the fixture's slot.
 async fn fx_walsender(f: &Fixture, pg: &tokio_postgres::Client) -> i32 {
     for _ in 0..100 {

@@ -57,6 +57,9 @@ pub struct Settings {
     /// Only the relay drains (no bare publishers, no polling): for quick
     /// measurements while working on the relay.
     pub relay_only: bool,
+    /// Whether to drain a table-less outbox too (off to measure a relay
+    /// binary from before table-less outboxes existed).
+    pub table_less: bool,
     /// Where the report goes.
     pub out_dir: String,
     /// The relay binary.
@@ -131,6 +134,7 @@ impl Settings {
             poll_batch: env_u64("BENCH_POLL_BATCH", 500)?,
             poll_interval_ms: env_u64("BENCH_POLL_INTERVAL_MS", 100)?,
             relay_only: env_u64("BENCH_RELAY_ONLY", 0)? != 0,
+            table_less: env_u64("BENCH_TABLE_LESS", 1)? != 0,
             out_dir: env_str("BENCH_OUT", "target/bench"),
             relay_bin: env_str("BENCH_RELAY", "target/release/outbox-relay"),
             node_dir: env_str("BENCH_NODE_DIR", "bench/amqplib"),

@@ -427,8 +427,10 @@ async fn queue_type_round(
         }
     }
     probe.purge().await?;
-    r.relay_messages = Some(messages_drain(s, pg, n, &mut probe).await?);
-    probe.purge().await?;
+    if s.table_less {
+        r.relay_messages = Some(messages_drain(s, pg, n, &mut probe).await?);
+        probe.purge().await?;
+    }
     r.relay = r
         .relay_passes
         .iter()

@@ -13,6 +13,7 @@ use serde_json::value::RawValue;
 
 use super::{Mapping, MappingError};
 use crate::config::OutboxConfig;
+use crate::lsn::Lsn;
 use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
 use crate::template::Part;
 
@@ -170,11 +171,15 @@ const SLACK: usize = 1024;
 /// object or array) as the JSON text written, byte for byte. A content
 /// that is not a JSON object becomes a row whose mapping says why (it is
 /// dead-lettered, or stops the relay without a dead-letter exchange),
-/// carrying the content as its only column.
+/// carrying the content as its only column. So does one without an id:
+/// its dead letter's `message_id` is then its WAL position `at`, stable
+/// on every replay (a shared placeholder would let a de-duplicating
+/// consumer drop all such dead letters but one).
 pub fn row(
     o: &OutboxConfig,
     e: &Emitted,
     content: Bytes,
+    at: Lsn,
 ) -> (TupleData, Result<Arc<Mapping>, MappingError>) {
     let fields = std::str::from_utf8(&content)
         .map_err(|_| "its content is not UTF-8".to_owned())
@@ -186,11 +191,19 @@ pub fn row(
                 .and_then(|v| d.end().map(|()| v))
                 .map_err(|e| format!("its content is not a JSON object: {e}"))
         });
+    let fields = match (fields, &e.mapping) {
+        (Ok(fields), Ok(m)) if fields[m.id].is_none_or(|id| id.get() == "null") => Err(format!(
+            "it has no {:?} field (or it is null): an event needs an id",
+            e.names[m.id]
+        )),
+        (fields, _) => fields,
+    };
     let (fields, mapping) = match (fields, e.mapping.clone()) {
         (Ok(fields), Ok(mapping)) => (fields, mapping),
         (Err(reason), _) => {
             let err = MappingError::Message {
                 prefix: o.prefix().unwrap_or_default().to_owned(),
+                at,
                 key: o.key.clone(),
                 reason,
             };
@@ -260,7 +273,7 @@ mod tests {
     fn event(o: &OutboxConfig, content: &str) -> OutboxEvent {
         let prefixes = Prefixes::new(std::slice::from_ref(o));
         let m = prefixes.get("orders").unwrap();
-        let (tuple, mapping) = row(o, m, Bytes::from(content.to_owned()));
+        let (tuple, mapping) = row(o, m, Bytes::from(content.to_owned()), Lsn(0x16B3748));
         OutboxEvent {
             tuple,
             mapping,
@@ -317,7 +330,7 @@ mod tests {
         let e = prefixes.get("orders").unwrap();
         let start = content.as_ptr() as usize;
         let range = start..start + content.len();
-        let (tuple, mapping) = row(&o, e, content.clone());
+        let (tuple, mapping) = row(&o, e, content.clone(), Lsn(1));
         assert!(mapping.is_ok());
         for v in tuple.0.iter().filter_map(|v| v.as_bytes()) {
             assert!(
@@ -330,7 +343,7 @@ mod tests {
             br#"{"id": "1", "aggregate_type": "a", "aggregate_id": "1", "event_type": "e", "payload": 1}"#,
         );
         let start = small.as_ptr() as usize;
-        let (tuple, _) = row(&o, e, small.clone());
+        let (tuple, _) = row(&o, e, small.clone(), Lsn(1));
         let payload = tuple.0[4].as_bytes().unwrap();
         assert!((start..start + small.len()).contains(&(payload.as_ptr() as usize)));
     }
@@ -352,7 +365,16 @@ mod tests {
             &o,
             r#"{"aggregate_type": "a", "aggregate_id": "1", "event_type": "e", "payload": {}}"#,
         );
-        assert!(matches!(view(&ev), Err(RenderError::Null { column, .. }) if column == "id"));
+        // No id: unmappable, and named by its WAL position (its dead
+        // letter's message_id), never by a placeholder shared with others.
+        let e = view(&ev).unwrap_err();
+        assert!(e.to_string().contains("no \"id\" field"), "{e}");
+        assert_eq!(crate::message::event_id(&ev), "lsn-0/16B3748");
+        for content in ["not json", r#"{"id": null, "payload": 1}"#] {
+            let ev = event(&o, content);
+            assert!(view(&ev).is_err(), "{content}");
+            assert_eq!(crate::message::event_id(&ev), "lsn-0/16B3748", "{content}");
+        }
         let ev = event(
             &o,
             r#"{"id": "1", "aggregate_type": "a", "aggregate_id": "1", "event_type": "e"}"#,
@@ -366,7 +388,7 @@ mod tests {
         // Not valid UTF-8 at all.
         let prefixes = Prefixes::new(std::slice::from_ref(&o));
         let m = prefixes.get("orders").unwrap();
-        let (_, mapping) = row(&o, m, Bytes::from_static(b"{\"id\": \"\xff\"}"));
+        let (_, mapping) = row(&o, m, Bytes::from_static(b"{\"id\": \"\xff\"}"), Lsn(1));
         assert!(mapping.unwrap_err().to_string().contains("UTF-8"));
     }
 }
