@@ -328,7 +328,7 @@ async fn wal_level_replica_fails() {
 /// slot, and `check` says to run `recover`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_slot_fails_naming_recover() {
-    let scratch = ScratchPg::start_with("logical", "-c max_slot_wal_keep_size=1MB");
+    let scratch = ScratchPg::start_with("logical", "max_slot_wal_keep_size = '1MB'");
     let (pg, conn) = tokio_postgres::connect(&scratch.url(), tokio_postgres::NoTls)
         .await
         .expect("connecting to the scratch PostgreSQL");

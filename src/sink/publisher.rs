@@ -28,10 +28,11 @@ use crate::message::{
 };
 use prometheus_client::metrics::counter::Counter;
 
-use crate::metrics::{Metrics, Outcome, OutcomeLabel, ReasonLabel, RetryReason};
+use crate::metrics::{Metrics, Outcome, OutcomeLabel};
 use crate::outbox::OutboxEvent;
 
 mod inflight;
+mod settle;
 use inflight::*;
 
 /// One item from source to sink, in WAL order.
@@ -297,104 +298,6 @@ impl<'a> Publisher<'a> {
             return Ok(Err(m.to_envelope().dead_letter_oversized(dlx, limit)));
         }
         Ok(Ok(m))
-    }
-
-    /// The broker answered `f`. Returns what to publish again, and when.
-    fn settle(
-        &mut self,
-        mut f: InFlight,
-        res: Result<(), SinkError>,
-    ) -> Result<Option<(Duration, InFlight)>, PublishError> {
-        match res {
-            Ok(()) => {
-                self.metrics
-                    .confirm_latency
-                    .observe(f.published_at.elapsed().as_secs_f64());
-                self.metrics
-                    .commit_to_confirm
-                    .observe(((unix_now_us() - f.commit_time_us) as f64 / 1e6).max(0.0));
-                if f.is_dead_letter() {
-                    self.dead_lettered.inc();
-                } else {
-                    self.published.inc();
-                    self.metrics.published_bytes.inc_by(f.body_bytes as u64);
-                }
-                self.held -= f.held;
-                let moved = self.cp.confirm(f.seq)?;
-                self.advance(moved);
-                Ok(None)
-            }
-            Err(SinkError::Returned {
-                id,
-                exchange,
-                reply,
-                ..
-            }) if f.is_dead_letter() => Err(SinkError::DeadLetterRefused {
-                id,
-                exchange,
-                reason: reply,
-            }
-            .into()),
-            Err(SinkError::Returned {
-                id,
-                reply,
-                exchange,
-                routing_key,
-            }) => {
-                f.attempts += 1;
-                if f.attempts >= self.cfg.unroutable_attempts {
-                    let reason = format!(
-                        "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({reply}) after {} attempts",
-                        f.attempts
-                    );
-                    let env = f.envelope()?;
-                    let dl = self.dead_letter(&f, env, &reason)?;
-                    self.held = self.held - f.held + dl.held;
-                    return Ok(Some((Duration::ZERO, dl)));
-                }
-                self.metrics
-                    .retries
-                    .get_or_create(&ReasonLabel {
-                        reason: RetryReason::returned,
-                    })
-                    .inc();
-                let delay = retry_delay(self.cfg.retry_backoff, f.attempts);
-                warn!(event_id = %id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, %exchange, %routing_key, "unroutable; will publish again");
-                Ok(Some((delay, f)))
-            }
-            Err(SinkError::Nacked { id }) => {
-                f.attempts += 1;
-                if f.attempts >= NACK_ATTEMPTS {
-                    let reason = format!(
-                        "nacked by the broker {} times (e.g. a full queue with x-overflow = \
-                         reject-publish)",
-                        f.attempts
-                    );
-                    if f.is_dead_letter() {
-                        return Err(SinkError::DeadLetterRefused {
-                            id,
-                            exchange: f.destination().0,
-                            reason,
-                        }
-                        .into());
-                    }
-                    let env = f.envelope()?;
-                    let dl = self.dead_letter(&f, env, &reason)?;
-                    self.held = self.held - f.held + dl.held;
-                    return Ok(Some((Duration::ZERO, dl)));
-                }
-                self.metrics
-                    .retries
-                    .get_or_create(&ReasonLabel {
-                        reason: RetryReason::nacked,
-                    })
-                    .inc();
-                let delay = retry_delay(self.cfg.retry_backoff, f.attempts);
-                warn!(event_id = %id, attempt = f.attempts, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
-                Ok(Some((delay, f)))
-            }
-            Err(e) => Err(e.into()),
-        }
     }
 
     /// Hands a message to the broker (written with the next wait for an

@@ -120,26 +120,45 @@ pub async fn ctl_async(f: fn(&[&str]), args: &'static [&'static str]) {
         .expect("server control command panicked");
 }
 
-/// A throwaway PostgreSQL with the given `wal_level`, run as the `postgres`
-/// OS user like the harness's .
+/// A throwaway PostgreSQL run as the `postgres` OS user like the
+/// harness's, in a directory of its own, on a free port, listening on
+/// 127.0.0.1 (and its Unix socket in that directory). One server start
+/// for every test that needs a server of its own (`tests/tls` adds TLS).
 pub struct ScratchPg {
     pub dir: tempfile::TempDir,
     pub port: u16,
 }
 
 impl ScratchPg {
+    /// With `wal_level`.
     pub fn start(wal_level: &str) -> ScratchPg {
         Self::start_with(wal_level, "")
     }
 
-    /// With extra `postgres` options, e.g. `-c name=value`.
-    pub fn start_with(wal_level: &str, extra_opts: &str) -> ScratchPg {
+    /// With `wal_level` and `extra` lines for postgresql.conf.
+    pub fn start_with(wal_level: &str, extra: &str) -> ScratchPg {
+        Self::start_custom(
+            &format!("listen_addresses = '127.0.0.1'\nwal_level = {wal_level}\n{extra}"),
+            None,
+            |_| {},
+        )
+    }
+
+    /// `conf` appended to postgresql.conf (port, socket directory and
+    /// `fsync = off` are set), `hba` as pg_hba.conf when given; `prepare`
+    /// puts files into the directory before the server's user owns it.
+    pub fn start_custom(
+        conf: &str,
+        hba: Option<&str>,
+        prepare: impl FnOnce(&std::path::Path),
+    ) -> ScratchPg {
         let bin = pg_bin();
         let dir = tempfile::Builder::new()
             .prefix("outbox-scratch-pg")
             .tempdir()
             .unwrap();
         let data = dir.path().join("data");
+        prepare(dir.path());
         let chown = Command::new("chown")
             .arg("-R")
             .arg("postgres:postgres")
@@ -152,55 +171,78 @@ impl ScratchPg {
             .local_addr()
             .unwrap()
             .port();
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .args(["-A", "trust", "-U", "postgres", "-D"])
+        let out = as_postgres(&bin.join("initdb"))
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
             .arg(&data)
             .output()
             .unwrap();
         assert!(
-            ok.status.success(),
+            out.status.success(),
             "initdb: {}",
-            String::from_utf8_lossy(&ok.stderr)
+            String::from_utf8_lossy(&out.stderr)
         );
-        let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c wal_level={wal_level} -c fsync=off {extra_opts}",
+        let conf_path = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf_path).unwrap();
+        text += &format!(
+            "\nport = {port}\nunix_socket_directories = '{}'\nfsync = off\n{conf}\n",
             dir.path().display()
         );
-        let ok = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("pg_ctl"))
+        std::fs::write(&conf_path, text).unwrap();
+        if let Some(hba) = hba {
+            std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
+        }
+        let out = as_postgres(&bin.join("pg_ctl"))
             .args(["-w", "-D"])
             .arg(&data)
-            .args(["-o", &opts, "-l"])
+            .arg("-l")
             .arg(dir.path().join("log"))
             .arg("start")
             .output()
             .unwrap();
         assert!(
-            ok.status.success(),
-            "pg_ctl start: {}",
-            String::from_utf8_lossy(&ok.stderr)
+            out.status.success(),
+            "pg_ctl start: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            std::fs::read_to_string(dir.path().join("log")).unwrap_or_default()
         );
         ScratchPg { dir, port }
     }
 
+    /// The superuser over TCP, no password.
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The superuser over the Unix socket (never TLS).
+    pub async fn admin(&self) -> Client {
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host_path(self.dir.path())
+            .port(self.port)
+            .user("postgres")
+            .dbname("postgres");
+        let (client, conn) = cfg.connect(NoTls).await.expect("scratch PostgreSQL");
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
     }
 }
 
 impl Drop for ScratchPg {
     fn drop(&mut self) {
-        let _ = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(pg_bin().join("pg_ctl"))
+        let _ = as_postgres(&pg_bin().join("pg_ctl"))
             .args(["-m", "immediate", "-D"])
             .arg(self.dir.path().join("data"))
             .arg("stop")
             .output();
     }
+}
+
+/// `program` run as the `postgres` OS user.
+pub fn as_postgres(program: &std::path::Path) -> Command {
+    let mut c = Command::new("runuser");
+    c.args(["-u", "postgres", "--"]).arg(program);
+    c
 }
 
 pub fn pg_bin() -> PathBuf {

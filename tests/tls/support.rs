@@ -1,7 +1,6 @@
 //! Servers, certificates and relay helpers for the TLS tests (`tests/tls.rs`).
 
 use std::collections::HashMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -10,7 +9,7 @@ use std::time::{Duration, Instant};
 use outbox_relay::config::Config;
 use outbox_relay::lsn::Lsn;
 use outbox_relay::source::{connect_sql, start_replication};
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 pub static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -18,22 +17,6 @@ pub const RELAY_PASSWORD: &str = "relay-pw";
 
 pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-pub use crate::common::pg_bin;
-
-pub fn as_postgres(program: &Path) -> Command {
-    let mut c = Command::new("runuser");
-    c.args(["-u", "postgres", "--"]).arg(program);
-    c
 }
 
 /// A throwaway CA and a server certificate it signed, for `localhost` and
@@ -81,15 +64,19 @@ impl Pki {
     }
 }
 
-/// A scratch PostgreSQL run as the `postgres` OS user, with `wal_level =
-/// logical`, listening on 127.0.0.1 and 127.0.0.2 (an address the
-/// certificate does not name). With a [`Pki`]: `ssl = on` and only `hostssl`
-/// lines in pg_hba.conf; without: `ssl = off` and `host` lines. TCP logins
-/// need a password (role `relay`, superuser); the test itself uses the Unix
-/// socket.
-pub struct ScratchPg {
-    pub dir: tempfile::TempDir,
-    pub port: u16,
+/// The scratch PostgreSQL of the other tests ([`crate::common::ScratchPg`])
+/// with `wal_level = logical`, listening on 127.0.0.1 and 127.0.0.2 (an
+/// address the certificate does not name). With a [`Pki`]: `ssl = on` and
+/// only `hostssl` lines in pg_hba.conf; without: `ssl = off` and `host`
+/// lines. TCP logins need a password (role `relay`, superuser); the test
+/// itself uses the Unix socket.
+pub struct ScratchPg(crate::common::ScratchPg);
+
+impl std::ops::Deref for ScratchPg {
+    type Target = crate::common::ScratchPg;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl ScratchPg {
@@ -99,78 +86,33 @@ impl ScratchPg {
 
     /// As [`ScratchPg::start`], listening on `listen` (`listen_addresses`).
     pub fn start_on(pki: Option<&Pki>, listen: &str) -> ScratchPg {
-        let bin = pg_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-tls-pg")
-            .tempdir()
-            .unwrap();
-        let data = dir.path().join("data");
-        let port = free_port();
         let mut conf = format!(
-            "\nport = {port}\nlisten_addresses = '{listen}'\n\
-             unix_socket_directories = '{}'\nwal_level = logical\nmax_wal_senders = 10\n\
-             max_replication_slots = 10\nfsync = off\nsynchronous_commit = off\n",
-            dir.path().display()
+            "listen_addresses = '{listen}'\nwal_level = logical\nmax_wal_senders = 10\n\
+             max_replication_slots = 10\nsynchronous_commit = off\n"
         );
-        let hba_type = match pki {
-            Some(pki) => {
-                for f in ["server.pem", "server.key"] {
-                    std::fs::copy(pki.dir.path().join(f), dir.path().join(f)).unwrap();
-                }
-                conf += &format!(
-                    "ssl = on\nssl_cert_file = '{0}/server.pem'\nssl_key_file = '{0}/server.key'\n",
-                    dir.path().display()
-                );
-                "hostssl"
-            }
-            None => "host",
-        };
-        let ok = Command::new("chown")
-            .arg("-R")
-            .arg("postgres:postgres")
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(ok.success());
-        let key = dir.path().join("server.key");
-        if key.exists() {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let hba_type = if pki.is_some() { "hostssl" } else { "host" };
+        let hba = format!(
+            "local all all trust\nlocal replication all trust\n\
+             {hba_type} all all 127.0.0.0/8 scram-sha-256\n\
+             {hba_type} replication all 127.0.0.0/8 scram-sha-256\n"
+        );
+        // The certificate and key, readable by the server's user only.
+        let certs: Option<&Path> = pki.map(|p| p.dir.path());
+        if certs.is_some() {
+            // Relative to the data directory, which is in the server's.
+            conf += "ssl = on\nssl_cert_file = '../server.pem'\nssl_key_file = '../server.key'\n";
         }
-        let out = as_postgres(&bin.join("initdb"))
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
-            .arg(&data)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "initdb: {}", stderr(&out));
-        let conf_path = data.join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf_path).unwrap();
-        text += &conf;
-        std::fs::write(&conf_path, text).unwrap();
-        std::fs::write(
-            data.join("pg_hba.conf"),
-            format!(
-                "local all all trust\nlocal replication all trust\n\
-                 {hba_type} all all 127.0.0.0/8 scram-sha-256\n\
-                 {hba_type} replication all 127.0.0.0/8 scram-sha-256\n"
-            ),
-        )
-        .unwrap();
-        let out = as_postgres(&bin.join("pg_ctl"))
-            .args(["-w", "-D"])
-            .arg(&data)
-            .arg("-l")
-            .arg(dir.path().join("log"))
-            .arg("start")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "pg_ctl start: {}\n{}",
-            stderr(&out),
-            std::fs::read_to_string(dir.path().join("log")).unwrap_or_default()
-        );
-        ScratchPg { dir, port }
+        let server = crate::common::ScratchPg::start_custom(&conf, Some(&hba), |dir| {
+            if let Some(from) = certs {
+                for f in ["server.pem", "server.key"] {
+                    std::fs::copy(from.join(f), dir.join(f)).unwrap();
+                }
+                use std::os::unix::fs::PermissionsExt;
+                let key = dir.join("server.key");
+                std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+            }
+        });
+        ScratchPg(server)
     }
 
     /// The relay's URL: password login over TCP to `host`.
@@ -179,20 +121,6 @@ impl ScratchPg {
             "postgres://relay:{RELAY_PASSWORD}@{host}:{}/postgres{query}",
             self.port
         )
-    }
-
-    /// Superuser connection over the Unix socket (never TLS).
-    pub async fn admin(&self) -> Client {
-        let mut cfg = tokio_postgres::Config::new();
-        cfg.host_path(self.dir.path())
-            .port(self.port)
-            .user("postgres")
-            .dbname("postgres");
-        let (client, conn) = cfg.connect(NoTls).await.expect("scratch PostgreSQL");
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        client
     }
 
     /// The relay role and an outbox table.
@@ -207,16 +135,6 @@ impl ScratchPg {
             .unwrap();
         pg.batch_execute(&ddl).await.unwrap();
         pg
-    }
-}
-
-impl Drop for ScratchPg {
-    fn drop(&mut self) {
-        let _ = as_postgres(&pg_bin().join("pg_ctl"))
-            .args(["-m", "immediate", "-D"])
-            .arg(self.dir.path().join("data"))
-            .arg("stop")
-            .output();
     }
 }
 
