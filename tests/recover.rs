@@ -7,10 +7,13 @@
 //! Own binary: it changes a server-wide setting for a while.
 
 mod common;
+#[path = "recover/support.rs"]
+mod support;
 
 use std::time::Duration;
 
 use common::*;
+use support::*;
 
 /// One test at a time: losing a slot (a tiny server-wide
 /// `max_slot_wal_keep_size`) would invalidate the others' slots too.
@@ -448,66 +451,6 @@ async fn a_session_finishes_a_recovery_recorded_meanwhile_before_streaming() {
     assert!(relay.log_text().contains("a recovery is under way"));
     relay.stop_ok();
     fx.cleanup().await;
-}
-
-async fn checkpointed(fx: &mut Fixture) -> tokio_postgres::Client {
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "ok", "w", "e", &serde_json::json!({})).await;
-    fx.expect_delivered(&[warm], &relay).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
-    relay.stop_ok();
-    pg
-}
-
-/// Makes the slot's WAL go away: a tiny `max_slot_wal_keep_size`, WAL written
-/// past it, checkpoints. Restores the setting afterwards.
-async fn lose_slot(fx: &Fixture, pg: &tokio_postgres::Client) {
-    // One statement per call: ALTER SYSTEM refuses to run in the implicit
-    // transaction of a multi-statement query.
-    for sql in [
-        "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'",
-        "SELECT pg_reload_conf()",
-    ] {
-        pg.batch_execute(sql).await.unwrap();
-    }
-    let noise = fx.scoped("noise");
-    pg.batch_execute(&format!("CREATE TABLE {noise} (pad text)"))
-        .await
-        .unwrap();
-    let mut lost = false;
-    for _ in 0..40 {
-        for sql in [
-            format!(
-                "INSERT INTO {noise} SELECT repeat(md5(g::text), 30) FROM generate_series(1, 20000) g"
-            ),
-            "SELECT pg_switch_wal()".to_owned(),
-            "CHECKPOINT".to_owned(),
-        ] {
-            pg.batch_execute(&sql).await.unwrap();
-        }
-        let s: Option<String> = pg
-            .query_one(
-                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-                &[&fx.slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if s.as_deref() == Some("lost") {
-            lost = true;
-            break;
-        }
-    }
-    for sql in [
-        "ALTER SYSTEM RESET max_slot_wal_keep_size".to_owned(),
-        "SELECT pg_reload_conf()".to_owned(),
-        format!("DROP TABLE {noise}"),
-    ] {
-        pg.batch_execute(&sql).await.unwrap();
-    }
-    assert!(lost, "could not invalidate the slot");
 }
 
 /// Physical order is not written order: a transaction's rows can land in
