@@ -12,19 +12,19 @@ use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
-use serde::Deserialize;
-
 use crate::pgurl::PgTarget;
 use crate::template::Template;
 
 mod env;
 mod outbox;
+mod raw;
 mod secrets;
 mod trust;
 mod types;
 use crate::tls::SslMode;
 use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
+use raw::*;
 use secrets::with_password_file;
 use trust::{check_ca_file, postgres_trust};
 pub use types::*;
@@ -106,180 +106,6 @@ impl fmt::Debug for Secret {
 
 use crate::redact::query_has_password;
 pub use crate::redact::redact_url;
-
-// ---------------------------------------------------------------- raw layer
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConfig {
-    postgres: RawPostgres,
-    rabbitmq: RawRabbitmq,
-    #[serde(default)]
-    http: RawHttp,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawPostgres {
-    url: String,
-    #[serde(default = "default_slot")]
-    slot: String,
-    #[serde(default = "default_publication")]
-    publication: String,
-    #[serde(default = "default_status_interval_ms", deserialize_with = "de_u64")]
-    status_interval_ms: u64,
-    #[serde(default, deserialize_with = "de_u64")]
-    heartbeat_secs: u64,
-    #[serde(default = "default_checkpoint_table")]
-    checkpoint_table: String,
-    #[serde(default)]
-    sslmode: Option<String>,
-    #[serde(default)]
-    ca_file: Option<String>,
-    #[serde(default)]
-    password_file: Option<String>,
-    #[serde(default)]
-    on_slot_lost: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawRabbitmq {
-    url: RawUrls,
-    #[serde(default)]
-    shuffle: bool,
-    exchange: String,
-    #[serde(default = "default_routing_key")]
-    routing_key: String,
-    #[serde(default = "default_window", deserialize_with = "de_u64")]
-    window: u64,
-    #[serde(default = "default_window_bytes", deserialize_with = "de_u64")]
-    window_bytes: u64,
-    #[serde(default = "default_confirm_timeout_secs", deserialize_with = "de_u64")]
-    confirm_timeout_secs: u64,
-    #[serde(default)]
-    dead_letter_exchange: Option<String>,
-    #[serde(default = "default_unroutable_retries", deserialize_with = "de_u64")]
-    unroutable_retries: u64,
-    #[serde(default = "default_retry_backoff_ms", deserialize_with = "de_u64")]
-    retry_backoff_ms: u64,
-    #[serde(default = "default_max_message_bytes", deserialize_with = "de_u64")]
-    max_message_bytes: u64,
-    #[serde(default = "default_shutdown_grace_secs", deserialize_with = "de_u64")]
-    shutdown_grace_secs: u64,
-    #[serde(default)]
-    ca_file: Option<String>,
-    #[serde(default)]
-    password_file: Option<String>,
-}
-
-/// `rabbitmq.url`: one URL, or a list of a cluster's nodes (an array, or
-/// one string with the URLs separated by commas, as an environment
-/// override gives it).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum RawUrls {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl RawUrls {
-    fn into_vec(self) -> Vec<String> {
-        match self {
-            RawUrls::Many(v) => v,
-            RawUrls::One(s) => split_urls(&s),
-        }
-    }
-}
-
-/// Splits `amqp://a,amqps://b` at each comma that starts another URL (a
-/// comma inside a password stays).
-fn split_urls(s: &str) -> Vec<String> {
-    let starts_url = |t: &str| {
-        let t = t.trim_start();
-        t.starts_with("amqp://") || t.starts_with("amqps://")
-    };
-    let mut out = Vec::new();
-    let mut from = 0;
-    for (i, _) in s.match_indices(',') {
-        if starts_url(&s[i + 1..]) {
-            out.push(s[from..i].trim().to_owned());
-            from = i + 1;
-        }
-    }
-    out.push(s[from..].trim().to_owned());
-    out
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-struct RawHttp {
-    listen: String,
-}
-
-impl Default for RawHttp {
-    fn default() -> Self {
-        RawHttp {
-            listen: "127.0.0.1:9187".into(),
-        }
-    }
-}
-
-fn default_slot() -> String {
-    "outbox_relay".into()
-}
-fn default_publication() -> String {
-    "outbox_pub".into()
-}
-fn default_status_interval_ms() -> u64 {
-    1000
-}
-fn default_routing_key() -> String {
-    "{aggregate_type}.{event_type}".into()
-}
-fn default_window() -> u64 {
-    1024
-}
-/// Bytes of rows awaiting a confirm at once: with 1 MiB rows, 32 of them.
-fn default_window_bytes() -> u64 {
-    32 * 1024 * 1024
-}
-fn default_confirm_timeout_secs() -> u64 {
-    30
-}
-fn default_checkpoint_table() -> String {
-    "public.outbox_relay_checkpoint".into()
-}
-fn default_unroutable_retries() -> u64 {
-    3
-}
-fn default_retry_backoff_ms() -> u64 {
-    500
-}
-/// RabbitMQ 4's default `max_message_size` (16 MiB).
-fn default_max_message_bytes() -> u64 {
-    16 * 1024 * 1024
-}
-fn default_shutdown_grace_secs() -> u64 {
-    10
-}
-
-/// Numbers may come from TOML integers or from environment overrides, which
-/// are always strings.
-fn de_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Num {
-        Int(u64),
-        Str(String),
-    }
-    match Num::deserialize(d)? {
-        Num::Int(n) => Ok(n),
-        Num::Str(s) => s.trim().parse().map_err(|_| {
-            serde::de::Error::custom(format!("expected a non-negative integer, got {s:?}"))
-        }),
-    }
-}
 
 impl Config {
     /// Each outbox's dead-letter exchange, by index (what the publisher
