@@ -172,9 +172,17 @@ pub async fn run(
         let mut attempt = 0;
         loop {
             let step = if lost {
+                // Counted by the relay that re-published: another that
+                // saw the same loss finds the slot healthy once it has
+                // the lock.
                 crate::recover::recover_lost_slot(cfg, &shutdown)
                     .await
-                    .map(|_| true)
+                    .map(|outcome| {
+                        if matches!(outcome, crate::recover::RecoverOutcome::Republished { .. }) {
+                            metrics.slot_recoveries.inc();
+                        }
+                        true
+                    })
             } else {
                 crate::recover::finish_pending(cfg, &shutdown).await
             };
@@ -197,7 +205,6 @@ pub async fn run(
                         "replication slot lost during a recovery: recreating it and re-publishing \
                          the recorded window (postgres.on_slot_lost = \"recover\")"
                     );
-                    metrics.slot_recoveries.inc();
                     lost = true;
                     continue;
                 }
@@ -225,7 +232,6 @@ pub async fn run(
                      written since the last checkpoint (postgres.on_slot_lost = \"recover\"); \
                      consumers will see duplicates"
                 );
-                metrics.slot_recoveries.inc();
                 lost = true;
             }
             // Another relay (or `recover`) is re-publishing: go back to

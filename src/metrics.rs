@@ -288,7 +288,7 @@ impl Metrics {
         );
         r.register(
             names::SKIPPED_MESSAGES,
-            "Non-transactional logical messages with an outbox prefix, skipped (emit them with pg_logical_emit_message(true, ...))",
+            "Non-transactional logical messages with an outbox prefix, skipped (emit them with pg_logical_emit_message(true, ...)); counted each time one is decoded, so again if a session replays it",
             m.skipped_messages.clone(),
         );
         Metrics {

@@ -459,6 +459,7 @@ impl OutboxDecoder {
             // that later rolled back, and it has no commit to order it by.
             tracing::warn!(
                 prefix,
+                %at,
                 "skipping a non-transactional logical message with an outbox prefix; emit outbox \
                  events with pg_logical_emit_message(true, ...)"
             );

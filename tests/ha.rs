@@ -334,7 +334,10 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
     assert!(text.contains("sequence = \"seq\""), "{text}");
     std::fs::write(&fx.config, text).unwrap();
     fx.start_reconnecting_consumer().await;
-    let relays = vec![fx.spawn_relay(), fx.spawn_relay()];
+    // JSON logs: their HTTP addresses, for the metrics.
+    let json = [("OUTBOX_RELAY_LOG_FORMAT", "json")];
+    let relays = vec![fx.spawn_relay_env(&json), fx.spawn_relay_env(&json)];
+    let addrs = [relays[0].http_addr().await, relays[1].http_addr().await];
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(&fx, producer_spec("f"), stop.clone());
     let mut all = Vec::new();
@@ -358,6 +361,13 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
         "one relay re-publishes:\n{}",
         tails(&relays)
     );
+    // And only that one counts a recovery, however many saw the loss.
+    let mut counted = 0.0;
+    for addr in &addrs {
+        let (_, metrics) = http_get(addr, "/metrics").await;
+        counted += sample(&metrics, "outbox_relay_slot_recoveries_total");
+    }
+    assert_eq!(counted, 1.0, "recoveries counted by the two relays");
 
     // Keep producing on the new primary for a while.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -435,7 +445,8 @@ async fn after_a_failover_the_default_is_to_stop_and_name_the_fix() {
         fx.pg_url
     );
     fx.start_consumer().await;
-    let mut relay = fx.spawn_relay();
+    // Debug logs: which servers the replication connection passed over.
+    let mut relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_LOG", "info,outbox_relay=debug")]);
     let pg = pg_connect_retry_to(&env["TEST_PGHA_PRIMARY_URL"]).await;
     let id = fx.insert(&pg, "s", "s1", "e", &serde_json::json!({})).await;
     fx.collect_until(
@@ -461,6 +472,16 @@ async fn after_a_failover_the_default_is_to_stop_and_name_the_fix() {
         relay.log_tail()
     );
     relay.assert_running("with the standby first in postgres.url");
+    // The replication connection tried the standby first, and left it for
+    // being one (not for lacking the slot).
+    let log = relay.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("not streaming from this server")
+                && l.contains(standby)
+                && l.contains("a standby")),
+        "no replication attempt on the standby refused as one:\n{log}"
+    );
     drop(pg);
     let ctl = |what: &str| pgha(&name, what);
     harness_async(ctl("catchup")).await;

@@ -251,13 +251,22 @@ async fn table_less_messages_and_rows_arrive_in_wal_order() {
     )
     .await
     .unwrap();
-    // A malformed one: dead-lettered with the reason.
-    pg.execute(
-        "SELECT pg_logical_emit_message(true, $1, 'this is not json')",
-        &[&prefix],
-    )
-    .await
-    .unwrap();
+    // Two malformed ones in one transaction: dead-lettered with the
+    // reason, each named by its own WAL position (what the emit returns).
+    let tx = pg.transaction().await.unwrap();
+    let mut bad_at = Vec::new();
+    for content in ["this is not json", "{\"payload\": 1}"] {
+        let at: String = tx
+            .query_one(
+                "SELECT pg_logical_emit_message(true, $1, $2::text)::text",
+                &[&prefix, &content],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        bad_at.push(format!("lsn-{at}"));
+    }
+    tx.commit().await.unwrap();
     let last = write_tx(
         &mut pg,
         &[(Into::Message(prefix.clone()), "agg0".into())],
@@ -290,22 +299,27 @@ async fn table_less_messages_and_rows_arrive_in_wal_order() {
         m.properties.content_type().as_ref().map(|c| c.as_str()),
         Some("application/json")
     );
-    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.recv())
-        .await
-        .expect("the malformed message dead-lettered")
-        .unwrap();
-    let why = dead.header_str("x-outbox-error").unwrap_or_default();
+    let mut dead = Vec::new();
+    for _ in 0..2 {
+        dead.push(
+            tokio::time::timeout(Duration::from_secs(10), dlq.recv())
+                .await
+                .expect("the malformed messages dead-lettered")
+                .unwrap(),
+        );
+    }
+    let why = dead[0].header_str("x-outbox-error").unwrap_or_default();
     assert!(
         why.contains("not a JSON object") && why.contains(&prefix),
         "{why}"
     );
-    assert_eq!(&dead.body[..], b"this is not json");
-    // Named by its WAL position: stable on replay, its own.
-    assert!(
-        dead.message_id().starts_with("lsn-0/"),
-        "{}",
-        dead.message_id()
-    );
+    assert_eq!(&dead[0].body[..], b"this is not json");
+    let why = dead[1].header_str("x-outbox-error").unwrap_or_default();
+    assert!(why.contains("\"id\" field is missing"), "{why}");
+    // Each named by its own WAL position (stable on replay), never by a
+    // name they share.
+    let ids: Vec<String> = dead.iter().map(|d| d.message_id()).collect();
+    assert_eq!(ids, bad_at);
     assert!(
         relay.log_text().contains("non-transactional"),
         "the skip is logged"

@@ -192,10 +192,13 @@ pub fn row(
                 .map_err(|e| format!("its content is not a JSON object: {e}"))
         });
     let fields = match (fields, &e.mapping) {
-        (Ok(fields), Ok(m)) if fields[m.id].is_none_or(|id| id.get() == "null") => Err(format!(
-            "it has no {:?} field (or it is null): an event needs an id",
-            e.names[m.id]
-        )),
+        (Ok(fields), Ok(m)) => match id_problem(fields[m.id]) {
+            Some(problem) => Err(format!(
+                "its {:?} field {problem}: an event needs an id (a string or a number)",
+                e.names[m.id]
+            )),
+            None => Ok(fields),
+        },
         (fields, _) => fields,
     };
     let (fields, mapping) = match (fields, e.mapping.clone()) {
@@ -234,6 +237,30 @@ pub fn row(
         }
     }
     (TupleData::from(values), Ok(mapping))
+}
+
+/// What makes a message's id unusable as a `message_id`, if anything:
+/// missing or null, not a string or a number, an invalid string (a lone
+/// surrogate), empty (a de-duplicating consumer would take every such
+/// event for one), or over AMQP's 255 bytes.
+fn id_problem(raw: Option<&RawValue>) -> Option<&'static str> {
+    let text = match raw.map(RawValue::get) {
+        None | Some("null") => return Some("is missing or null"),
+        Some(text) => text,
+    };
+    let len = match text.as_bytes()[0] {
+        b'"' => match serde_json::from_str::<String>(text) {
+            Ok(s) => s.len(),
+            Err(_) => return Some("is not a valid JSON string"),
+        },
+        b'-' | b'0'..=b'9' => text.len(),
+        _ => return Some("is not a string or a number"),
+    };
+    match len {
+        0 => Some("is empty"),
+        256.. => Some("is longer than 255 bytes"),
+        _ => None,
+    }
 }
 
 fn value(content: &Bytes, raw: &RawValue, json: bool) -> ColumnValue {
@@ -316,6 +343,12 @@ mod tests {
         );
         assert_eq!(view(&ev).unwrap().message_id, "second");
         assert_eq!(&view(&ev).unwrap().body[..], b"null");
+        // A number is an id too, as its text.
+        let ev = event(
+            &o,
+            r#"{"id": 7, "aggregate_type": "a", "aggregate_id": "1", "event_type": "e", "payload": 1}"#,
+        );
+        assert_eq!(view(&ev).unwrap().message_id, "7");
     }
 
     #[test]
@@ -368,9 +401,18 @@ mod tests {
         // No id: unmappable, and named by its WAL position (its dead
         // letter's message_id), never by a placeholder shared with others.
         let e = view(&ev).unwrap_err();
-        assert!(e.to_string().contains("no \"id\" field"), "{e}");
+        assert!(e.to_string().contains("\"id\" field is missing"), "{e}");
         assert_eq!(crate::message::event_id(&ev), "lsn-0/16B3748");
-        for content in ["not json", r#"{"id": null, "payload": 1}"#] {
+        let long = format!(r#"{{"id": "{}", "payload": 1}}"#, "x".repeat(256));
+        for content in [
+            "not json",
+            r#"{"id": null, "payload": 1}"#,
+            r#"{"id": "", "payload": 1}"#,
+            r#"{"id": "\ud800", "payload": 1}"#,
+            r#"{"id": true, "payload": 1}"#,
+            r#"{"id": {"a": 1}, "payload": 1}"#,
+            long.as_str(),
+        ] {
             let ev = event(&o, content);
             assert!(view(&ev).is_err(), "{content}");
             assert_eq!(crate::message::event_id(&ev), "lsn-0/16B3748", "{content}");
