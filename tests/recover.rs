@@ -88,14 +88,7 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
     );
     let text = String::from_utf8_lossy(&dry.stdout);
     assert!(text.contains("would re-publish"), "{text}");
-    let wal_status: Option<String> = pg
-        .query_one(
-            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-            &[&fx.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let wal_status = wal_status(&fx, &pg).await;
     assert_eq!(
         wal_status.as_deref(),
         Some("lost"),

@@ -44,15 +44,7 @@ pub async fn lose_slot(fx: &Fixture, pg: &tokio_postgres::Client) {
         ] {
             pg.batch_execute(&sql).await.unwrap();
         }
-        let s: Option<String> = pg
-            .query_one(
-                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-                &[&fx.slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if s.as_deref() == Some("lost") {
+        if wal_status(fx, pg).await.as_deref() == Some("lost") {
             lost = true;
             break;
         }
@@ -65,4 +57,15 @@ pub async fn lose_slot(fx: &Fixture, pg: &tokio_postgres::Client) {
         pg.batch_execute(&sql).await.unwrap();
     }
     assert!(lost, "could not invalidate the slot");
+}
+
+/// The fixture's slot's `wal_status` (`lost` once its WAL is gone).
+pub async fn wal_status(fx: &Fixture, pg: &tokio_postgres::Client) -> Option<String> {
+    pg.query_one(
+        "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+        &[&fx.slot],
+    )
+    .await
+    .unwrap()
+    .get(0)
 }

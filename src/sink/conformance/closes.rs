@@ -48,7 +48,7 @@ async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
         )
         .await;
-        assert!(p.frame().await.is_none(), "expected EOF after close-ok");
+        ends_with_close_notify(&mut p).await;
     })
     .await;
     let mut w = connect(&t).await.unwrap();
@@ -59,10 +59,7 @@ async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
         w.publish(message("b", 1)).is_err(),
         "published on a closed channel"
     );
-    tokio::time::timeout(Duration::from_secs(10), w.close())
-        .await
-        .unwrap()
-        .unwrap();
+    close_within_10s(w).await;
     broker.await.unwrap();
 }
 
@@ -83,18 +80,11 @@ async fn over_tls_the_connection_ends_with_close_notify() {
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
         )
         .await;
-        assert!(p.frame().await.is_none(), "expected the end after close-ok");
-        assert!(
-            !p.unclean_eof,
-            "the socket closed without a TLS close_notify"
-        );
+        ends_with_close_notify(&mut p).await;
     })
     .await;
     let w = connect(&t).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), w.close())
-        .await
-        .unwrap()
-        .unwrap();
+    close_within_10s(w).await;
     broker.await.unwrap();
 }
 
@@ -112,21 +102,31 @@ async fn over_tls_a_close_from_the_broker_is_answered_then_close_notify() {
             matches!(m, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))),
             "{m:?}"
         );
-        assert!(p.frame().await.is_none(), "expected the end after close-ok");
-        assert!(
-            !p.unclean_eof,
-            "the socket closed without a TLS close_notify"
-        );
+        ends_with_close_notify(&mut p).await;
     })
     .await;
     let mut w = connect(&t).await.unwrap();
     let e = next_event(&mut w).await.unwrap_err();
     assert_eq!(e.disposition(), Disposition::Transient, "{e}");
+    close_within_10s(w).await;
+    broker.await.unwrap();
+}
+
+/// The client's side ended after close-ok, with a TLS `close_notify` (or
+/// a FIN over TCP), not a dropped socket.
+async fn ends_with_close_notify(p: &mut Peer) {
+    assert!(p.frame().await.is_none(), "expected the end after close-ok");
+    assert!(
+        !p.unclean_eof,
+        "the socket closed without a TLS close_notify"
+    );
+}
+
+async fn close_within_10s(w: super::super::wire::Wire) {
     tokio::time::timeout(Duration::from_secs(10), w.close())
         .await
-        .unwrap()
+        .expect("close hung")
         .unwrap();
-    broker.await.unwrap();
 }
 
 /// A TLS broker on 127.0.0.1 running `script` for one connection, and the
