@@ -33,7 +33,7 @@ async fn three_tables_on_one_slot_survive_kill9_in_order() {
              [[outbox]]\ntable = \"public.{c}\"\n"
         ),
     );
-    let said = setup(&fx);
+    let said = fx.relay_ok("setup", &[]);
     assert!(
         said.contains(&b) && said.contains(&c),
         "setup added: {said}"
@@ -142,7 +142,7 @@ async fn a_table_added_to_the_config_is_picked_up_after_setup_and_a_restart() {
             fx.table
         ),
     );
-    let said = setup(&fx);
+    let said = fx.relay_ok("setup", &[]);
     assert!(said.contains(&format!("added public.{b}")), "{said}");
     let relay = fx.spawn_relay();
     let b1: String = pg.query_one(&insert(&b, "b"), &[]).await.unwrap().get(0);
@@ -204,7 +204,7 @@ async fn table_less_messages_and_rows_arrive_in_wal_order() {
             fx.table
         ),
     );
-    setup(&fx);
+    fx.relay_ok("setup", &[]);
     fx.start_consumer().await;
     let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_LOG_FORMAT", "json")]);
@@ -362,7 +362,7 @@ async fn check_and_status_cover_every_outbox() {
             fx.table
         ),
     );
-    setup(&fx);
+    fx.relay_ok("setup", &[]);
     let out = fx.relay_cmd("check").output().unwrap();
     let said = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(out.status.code(), Some(1), "{said}");
@@ -445,7 +445,7 @@ async fn recover_and_prune_cover_every_table() {
              [[outbox]]\nsource = \"message\"\nprefix = \"{prefix}\"\n"
         ),
     );
-    setup(&fx);
+    fx.relay_ok("setup", &[]);
     fx.start_consumer().await;
     let mut seqs = HashMap::new();
     let one_each = |tag: &str| {
@@ -507,13 +507,7 @@ async fn recover_and_prune_cover_every_table() {
         .await
         .unwrap();
     }
-    let out = fx
-        .relay_cmd("prune")
-        .args(["--older-than", "1d"])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "prune: {said}");
+    let said = fx.relay_ok("prune", &["--older-than", "1d"]);
     for t in [&a, &b] {
         assert!(
             said.contains(&format!("deleted 1 rows of public.{t} ")),

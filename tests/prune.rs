@@ -9,17 +9,6 @@ use std::time::Duration;
 
 use common::*;
 
-fn prune(fx: &Fixture, args: &[&str]) -> String {
-    let out = fx.relay_cmd("prune").args(args).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "prune {args:?} failed: {}{text}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
-}
-
 async fn rows(pg: &tokio_postgres::Client, fx: &Fixture) -> i64 {
     pg.query_one(&format!("SELECT count(*) FROM {}", fx.table), &[])
         .await
@@ -103,7 +92,7 @@ async fn prune_deletes_only_old_confirmed_rows_and_publishes_nothing() {
 
     // A checkpoint older than the rows: none of them is known confirmed.
     pg.execute(&set_commit("3 days"), &[]).await.unwrap();
-    let out = prune(&fx, &["--older-than", "1d"]);
+    let out = fx.relay_ok("prune", &["--older-than", "1d"]);
     assert!(
         out.contains("deleted 0 rows") && out.contains("kept 10 older rows"),
         "{out}"
@@ -112,7 +101,7 @@ async fn prune_deletes_only_old_confirmed_rows_and_publishes_nothing() {
 
     // A recent checkpoint: the dry run counts, and deletes nothing.
     pg.execute(&set_commit("0 s"), &[]).await.unwrap();
-    let out = prune(&fx, &["--older-than", "1d", "--dry-run"]);
+    let out = fx.relay_ok("prune", &["--older-than", "1d", "--dry-run"]);
     assert!(out.contains("would delete 10 rows"), "{out}");
     assert_eq!(rows(&pg, &fx).await, 20);
 
@@ -120,7 +109,7 @@ async fn prune_deletes_only_old_confirmed_rows_and_publishes_nothing() {
     // go, the others stay, and no message comes of it.
     let relay = fx.spawn_relay();
     fx.wait_slot_active(None, Duration::from_secs(30)).await;
-    let out = prune(&fx, &["--older-than", "1d", "--batch", "3"]);
+    let out = fx.relay_ok("prune", &["--older-than", "1d", "--batch", "3"]);
     assert!(out.contains("deleted 10 rows"), "{out}");
     assert_eq!(rows(&pg, &fx).await, 10);
     // The ten young rows are the ones left, not any ten.

@@ -249,6 +249,9 @@ fn id_problem(raw: Option<&RawValue>) -> Option<&'static str> {
         Some(text) => text,
     };
     let len = match text.as_bytes()[0] {
+        // Without escapes, the raw text (valid JSON) is the string quoted:
+        // no allocation per message for the common id.
+        b'"' if !text.contains('\\') => text.len() - 2,
         b'"' => match serde_json::from_str::<String>(text) {
             Ok(s) => s.len(),
             Err(_) => return Some("is not a valid JSON string"),

@@ -213,6 +213,19 @@ listen = "127.0.0.1:0"
         c
     }
 
+    /// Runs `outbox-relay <sub> <args>`; panics with what it said unless
+    /// it succeeds; returns its standard output.
+    pub fn relay_ok(&self, sub: &str, args: &[&str]) -> String {
+        let out = self.relay_cmd(sub).args(args).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{sub} {args:?} failed: {}{said}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        said
+    }
+
     /// Starts `outbox-relay run`, logging to a file in the test's directory.
     pub fn spawn_relay(&self) -> Relay {
         self.spawn_relay_env(&[])

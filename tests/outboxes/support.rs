@@ -145,17 +145,6 @@ pub fn set_outboxes(fx: &Fixture, rabbitmq_extra: &str, postgres_extra: &str, ou
     std::fs::write(&fx.config, text).unwrap();
 }
 
-pub fn setup(fx: &Fixture) -> String {
-    let out = fx.relay_cmd("setup").output().unwrap();
-    let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "setup: {said}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    said
-}
-
 pub async fn create_table(pg: &Client, name: &str) {
     let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
         .unwrap()

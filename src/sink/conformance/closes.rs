@@ -38,17 +38,7 @@ async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
             matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
             "{m:?}"
         );
-        let (_, m) = p.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_))),
-            "{m:?}"
-        );
-        p.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-        )
-        .await;
-        ends_with_close_notify(&mut p).await;
+        answers_our_close_then_ends(&mut p).await;
     })
     .await;
     let mut w = connect(&t).await.unwrap();
@@ -70,17 +60,7 @@ async fn a_channel_close_is_answered_and_the_connection_closes_cleanly() {
 async fn over_tls_the_connection_ends_with_close_notify() {
     let (t, broker) = tls_broker(|mut p| async move {
         p.handshake(131_072).await;
-        let (_, m) = p.method().await;
-        assert!(
-            matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_))),
-            "{m:?}"
-        );
-        p.send_method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-        )
-        .await;
-        ends_with_close_notify(&mut p).await;
+        answers_our_close_then_ends(&mut p).await;
     })
     .await;
     let w = connect(&t).await.unwrap();
@@ -110,6 +90,22 @@ async fn over_tls_a_close_from_the_broker_is_answered_then_close_notify() {
     assert_eq!(e.disposition(), Disposition::Transient, "{e}");
     close_within_10s(w).await;
     broker.await.unwrap();
+}
+
+/// The client sends `connection.close`; the broker answers close-ok; the
+/// client's side then ends cleanly.
+async fn answers_our_close_then_ends(p: &mut Peer) {
+    let (_, m) = p.method().await;
+    assert!(
+        matches!(m, AMQPClass::Connection(connection::AMQPMethod::Close(_))),
+        "{m:?}"
+    );
+    p.send_method(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+    )
+    .await;
+    ends_with_close_notify(p).await;
 }
 
 /// The client's side ended after close-ok, with a TLS `close_notify` (or
