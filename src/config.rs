@@ -4,7 +4,7 @@
 //!
 //! Parsing happens in two steps, as ripgrep does with its low- and high-level
 //! arguments: serde reads raw sections that refuse unknown keys, then
-//! [`RawConfig::validate`] checks every value once, in one place, and names
+//! `RawConfig::validate` checks every value once, in one place, and names
 //! the key at fault.
 
 use std::fmt;

@@ -9,7 +9,8 @@
 //!   forwards BEGIN / event / COMMIT / keepalive items in WAL order, and
 //!   forwards the sink's watermark to the replication client;
 //! - the **sink loop** publishes events within the confirm window, counts
-//!   confirms per transaction in the [`Checkpoint`], and publishes the
+//!   confirms per transaction in the
+//!   [`Checkpoint`](crate::checkpoint::Checkpoint), and publishes the
 //!   watermark.
 //!
 //! Any failure ends the session. Whatever was not confirmed was not reported,

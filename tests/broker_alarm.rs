@@ -24,19 +24,7 @@ static ALARM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 async fn memory_alarm_holds_the_slot_before_unconfirmed_events() {
     let _alarm = ALARM.lock().await;
     let mut fx = Fixture::new("alarm").await;
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx
-        .insert(&pg, "acct", "a1", "opened", &serde_json::json!({}))
-        .await;
-    fx.collect_until(
-        &[warm],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let (pg, relay) = fx.streaming().await;
 
     // An observer slot tells the exact end LSN of the transactions below.
     let observer = format!("obs_{}", fx.name);
@@ -50,19 +38,9 @@ async fn memory_alarm_holds_the_slot_before_unconfirmed_events() {
     rabbitmq_ctl(&["ctl", "set_vm_memory_high_watermark", "0"]);
     let result = std::panic::AssertUnwindSafe(async {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let mut ids = Vec::new();
-        for i in 0..20 {
-            ids.push(
-                fx.insert(
-                    &pg,
-                    "acct",
-                    &format!("a{}", i % 3),
-                    "debited",
-                    &serde_json::json!({"i": i}),
-                )
-                .await,
-            );
-        }
+        let ids = fx
+            .insert_many(&pg, 20, "acct", |i| format!("a{}", i % 3), "debited")
+            .await;
         let first_end = first_commit_end(&pg, &observer, &fx.publication).await;
 
         // Several status intervals (200 ms) pass; keepalives come and go.
@@ -154,17 +132,7 @@ async fn sigterm_with_unconfirmed_messages_exits_within_grace_and_reports_nothin
     let _alarm = ALARM.lock().await;
     let mut fx = Fixture::new("shutdown").await;
     fx.set_config_extra("shutdown_grace_secs = 2", "");
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "s", "1", "e", &serde_json::json!({})).await;
-    fx.collect_until(
-        &[warm],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let (pg, relay) = fx.streaming().await;
     let observer = format!("obs_{}", fx.name);
     pg.query_one(
         "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
@@ -175,13 +143,7 @@ async fn sigterm_with_unconfirmed_messages_exits_within_grace_and_reports_nothin
 
     let (ids, first_end, elapsed, status, out) = with_alarm(async {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let mut ids = Vec::new();
-        for i in 0..10 {
-            ids.push(
-                fx.insert(&pg, "s", "1", "e", &serde_json::json!({"i": i}))
-                    .await,
-            );
-        }
+        let ids = fx.insert_many(&pg, 10, "s", |_| "1".into(), "e").await;
         let first_end = first_commit_end(&pg, &observer, &fx.publication).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
         let t0 = std::time::Instant::now();
@@ -226,17 +188,7 @@ async fn a_second_signal_exits_at_once() {
     let _alarm = ALARM.lock().await;
     let mut fx = Fixture::new("twosignals").await;
     fx.set_config_extra("shutdown_grace_secs = 600", "");
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let mut relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "s", "1", "e", &serde_json::json!({})).await;
-    fx.collect_until(
-        &[warm],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let (pg, mut relay) = fx.streaming().await;
     let (status, elapsed) = with_alarm(async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         fx.insert(&pg, "s", "1", "e", &serde_json::json!({"stuck": true}))
@@ -315,29 +267,9 @@ async fn an_interrupted_recover_is_finished_by_running_it_again() {
     let _alarm = ALARM.lock().await;
     let mut fx = Fixture::new("alarm_recover").await;
     fx.set_config_extra("shutdown_grace_secs = 1", "");
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "r", "w", "e", &serde_json::json!({})).await;
-    fx.expect_delivered(&[warm], &relay).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
-    relay.stop_ok();
-    let mut lost = Vec::new();
-    for i in 0..50 {
-        lost.push(
-            fx.insert(
-                &pg,
-                "r",
-                &format!("l{i}"),
-                "e",
-                &serde_json::json!({"i": i}),
-            )
-            .await,
-        );
-    }
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
-        .await
-        .unwrap();
+    let pg = fx.checkpointed().await;
+    let lost = fx.insert_many(&pg, 50, "r", |i| format!("l{i}"), "e").await;
+    fx.drop_slot(&pg).await;
     let stderr = with_alarm(async {
         let mut rec = fx
             .relay_cmd("recover")
@@ -377,13 +309,7 @@ async fn an_interrupted_recover_is_finished_by_running_it_again() {
         stderr.contains("run `outbox-relay recover` again"),
         "{stderr}"
     );
-    let again = fx.relay_cmd("recover").output().unwrap();
-    let out = String::from_utf8_lossy(&again.stdout);
-    assert!(
-        again.status.success(),
-        "{out}{}",
-        String::from_utf8_lossy(&again.stderr)
-    );
+    let out = fx.relay_ok("recover", &[]);
     assert!(
         out.contains("resuming the recovery recorded earlier"),
         "{out}"

@@ -9,8 +9,7 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -59,8 +58,7 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
     let subscriptions = fx.start_reconnecting_consumer().await;
     let mut relay = fx.spawn_relay();
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 1), stop.clone());
+    let load = Load::start(&fx, [ProducerSpec::new("agg", 1)]);
 
     // Deliveries flowing first, so that the fault lands mid-stream.
     let mut all = Vec::new();
@@ -109,21 +107,19 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
 
     // Keep committing for a while with the broker back, then stop.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
-    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
+    let report = load.stop_one().await;
     let drained_at = Instant::now();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(90),
-        Duration::from_secs(1),
-        Some(&relay),
-    )
-    .await;
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &[&report],
+            Duration::from_secs(90),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await;
     let catch_up_secs = drained_at.elapsed().as_secs_f64();
 
-    let duplicates = check_deliveries(&[&report], &all);
     relay.assert_running("after the broker came back");
     // The fault really reached the relay: it ended a session and reconnected.
     let log = relay.log_text();
@@ -148,18 +144,14 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
         "broker fault {fault:?}: {} committed events in {} txs, {} deliveries, {duplicates} duplicates; \
          fault took {fault_secs:.1}s, catch-up after producer stop {catch_up_secs:.1}s, \
          relay sessions {sessions}, consumer subscriptions {}, test wall time {:.1}s",
-        ids.len(),
+        report.committed.len(),
         report.committed_txs,
         all.len(),
         subscriptions.load(Ordering::SeqCst),
         started.elapsed().as_secs_f64()
     );
 
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    relay.stop_ok();
     fx.refresh_amqp().await;
     fx.cleanup().await;
 }
@@ -211,24 +203,14 @@ async fn heartbeats_keep_an_idle_connection_and_notice_a_silent_broker() {
     let payload = serde_json::json!({"n": 1});
 
     let first = fx.insert(&pg, "hb", "1", "Beat", &payload).await;
-    fx.collect_until(
-        std::slice::from_ref(&first),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(std::slice::from_ref(&first), &relay)
+        .await;
 
     // (a) Idle for 5 heartbeat intervals.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let second = fx.insert(&pg, "hb", "2", "Beat", &payload).await;
-    fx.collect_until(
-        std::slice::from_ref(&second),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(std::slice::from_ref(&second), &relay)
+        .await;
     let log = relay.log_text();
     assert!(
         !log.contains("reconnecting") && log.matches("streaming from LSN").count() == 1,
@@ -264,11 +246,7 @@ async fn heartbeats_keep_an_idle_connection_and_notice_a_silent_broker() {
         Some(&relay),
     )
     .await;
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    relay.stop_ok();
     fx.refresh_amqp().await;
     fx.cleanup().await;
 }

@@ -15,8 +15,7 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -72,19 +71,16 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
     let mut relay = fx.spawn_relay();
     let mut relays_started = 1;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let producers: Vec<_> = (0..PRODUCERS)
-        .map(|p| {
-            let spec = ProducerSpec {
-                aggregates: 3,
-                max_events_per_tx: 4,
-                rollback_one_in: 5,
-                pause: Duration::from_millis(30),
-                ..ProducerSpec::new(&format!("p{p}"), rng.next_u64())
-            };
-            spawn_producer(&fx, spec, stop.clone())
+    let specs: Vec<ProducerSpec> = (0..PRODUCERS)
+        .map(|p| ProducerSpec {
+            aggregates: 3,
+            max_events_per_tx: 4,
+            rollback_one_in: 5,
+            pause: Duration::from_millis(30),
+            ..ProducerSpec::new(&format!("p{p}"), rng.next_u64())
         })
         .collect();
+    let load = Load::start(&fx, specs);
 
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 20, Duration::from_secs(30), Some(&relay))
@@ -149,29 +145,21 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
     );
 
     // Quiet period: stop producing, then everything committed must arrive.
-    stop.store(true, Ordering::SeqCst);
-    let mut reports = Vec::new();
-    for p in producers {
-        reports.push(p.await.unwrap());
-    }
+    let reports = load.stop().await;
     let report_refs: Vec<&ProducerReport> = reports.iter().collect();
-    let ids: Vec<String> = reports
-        .iter()
-        .flat_map(|r| r.committed.iter().map(|e| e.id.clone()))
-        .collect();
     fx.refresh_amqp().await;
     let recovery = Instant::now();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(60),
-        // Long enough for a stray rolled-back event or a late duplicate.
-        Duration::from_secs(2),
-        Some(&relay),
-    )
-    .await;
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &report_refs,
+            Duration::from_secs(60),
+            // Long enough for a stray rolled-back event or a late duplicate.
+            Duration::from_secs(2),
+            Some(&relay),
+        )
+        .await;
     let recovery_secs = recovery.elapsed().as_secs_f64();
-    let duplicates = check_deliveries(&report_refs, &all);
 
     // Per aggregate, first deliveries in commit order: the sequence numbers
     // (one producer per aggregate, so sequence order is commit order) of
@@ -238,7 +226,7 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
          all delivered {recovery_secs:.1}s after the producers stopped; \
          confirmed_flush_lsn {confirmed} >= last commit {target}; test wall time {:.1}s",
         log.len(),
-        ids.len(),
+        sum(|r| r.committed.len()),
         sum(|r| r.committed_txs),
         sum(|r| r.rolled_back_txs),
         sum(|r| r.failed_txs),
@@ -247,10 +235,6 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
         subscriptions.load(Ordering::SeqCst),
         started.elapsed().as_secs_f64()
     );
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    relay.stop_ok();
     fx.cleanup().await;
 }

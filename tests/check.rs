@@ -307,17 +307,7 @@ fn check_cmd(config: &Path) -> Command {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_level_replica_fails() {
     let scratch = ScratchPg::start("replica");
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("relay.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[postgres]\nurl = \"{}\"\n[outbox]\ntable = \"outbox\"\n[rabbitmq]\nurl = \"{}\"\nexchange = \"\"\n",
-            scratch.url(),
-            amqp_url()
-        ),
-    )
-    .unwrap();
+    let (_dir, config) = scratch.minimal_config("[outbox]\ntable = \"outbox\"\n", "");
     let c = run_check(check_cmd(&config));
     c.assert_fails_with(&["wal_level", "replica", "wal_level = logical", "restart"]);
     assert!(c.stdout.contains("ok PostgreSQL reachable"), "{c}");
@@ -335,17 +325,7 @@ async fn lost_slot_fails_naming_recover() {
     tokio::spawn(conn);
     let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql")).unwrap();
     pg.batch_execute(&ddl).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("relay.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[postgres]\nurl = \"{}\"\n[rabbitmq]\nurl = \"{}\"\nexchange = \"\"\n",
-            scratch.url(),
-            amqp_url()
-        ),
-    )
-    .unwrap();
+    let (_dir, config) = scratch.minimal_config("", "");
     let out = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
         .arg("setup")
         .arg("--config")

@@ -15,9 +15,7 @@ fn stderr(out: &std::process::Output) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_is_idempotent() {
     let fx = Fixture::new("setup").await; // ran setup once
-    let out = fx.relay_cmd("setup").output().unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = fx.relay_ok("setup", &[]);
     assert!(
         text.contains(&format!("publication {}: already present", fx.publication)),
         "{text}"
@@ -105,9 +103,7 @@ async fn bad_config_is_refused_naming_the_key_without_secrets() {
 async fn run_without_a_slot_says_to_run_setup() {
     let fx = Fixture::new("noslot").await;
     let pg = pg_connect().await;
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
-        .await
-        .unwrap();
+    fx.drop_slot(&pg).await;
     let out = fx.relay_cmd("run").output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
@@ -121,9 +117,7 @@ async fn run_without_a_slot_says_to_run_setup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_the_slot() {
     let fx = Fixture::new("status").await;
-    let out = fx.relay_cmd("status").arg("--json").output().unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&fx.relay_ok("status", &["--json"])).unwrap();
     assert_eq!(v["slot"], fx.slot.as_str());
     assert_eq!(v["exists"], true);
     assert_eq!(v["active"], false);
@@ -135,17 +129,7 @@ async fn status_reports_the_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_refuses_when_wal_level_is_not_logical() {
     let scratch = ScratchPg::start("replica");
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("relay.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[postgres]\nurl = \"{}\"\n[outbox]\ntable = \"outbox\"\n[rabbitmq]\nurl = \"{}\"\nexchange = \"x\"\n",
-            scratch.url(),
-            amqp_url()
-        ),
-    )
-    .unwrap();
+    let (_dir, config) = scratch.minimal_config("[outbox]\ntable = \"outbox\"\n", "x");
     let out = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
         .args(["setup", "--config"])
         .arg(&config)

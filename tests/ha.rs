@@ -13,8 +13,6 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -186,8 +184,7 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
     let mut fx = Fixture::on_servers("cluster", &pg_url(), &urls).await;
     fx.start_reconnecting_consumer().await;
     let mut relays = vec![fx.spawn_relay(), fx.spawn_relay()];
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, producer_spec("c"), stop.clone());
+    let load = Load::start(&fx, [producer_spec("c")]);
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 30, Duration::from_secs(60), Some(&relays[0]))
         .await;
@@ -231,18 +228,16 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
     }
 
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
-    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(90),
-        Duration::from_secs(2),
-        Some(&relays[0]),
-    )
-    .await;
-    let duplicates = check_deliveries(&[&report], &all);
+    let report = load.stop_one().await;
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &[&report],
+            Duration::from_secs(90),
+            Duration::from_secs(2),
+            Some(&relays[0]),
+        )
+        .await;
     let known: HashMap<&str, &Produced> = report
         .committed
         .iter()
@@ -254,7 +249,7 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
         "RabbitMQ cluster: {}; {} committed events, {} deliveries, {duplicates} duplicates, \
          {} refused by the broker and published again; test wall time {:.1}s",
         figures.join("; "),
-        ids.len(),
+        report.committed.len(),
         all.len(),
         refused.len(),
         started.elapsed().as_secs_f64()
@@ -338,8 +333,7 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
     let json = [("OUTBOX_RELAY_LOG_FORMAT", "json")];
     let relays = vec![fx.spawn_relay_env(&json), fx.spawn_relay_env(&json)];
     let addrs = [relays[0].http_addr().await, relays[1].http_addr().await];
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, producer_spec("f"), stop.clone());
+    let load = Load::start(&fx, [producer_spec("f")]);
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 50, Duration::from_secs(60), Some(&relays[0]))
         .await;
@@ -371,8 +365,7 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
 
     // Keep producing on the new primary for a while.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
+    let report = load.stop_one().await;
     // What the new primary has is the truth: every row of it is delivered.
     let pg = pg_connect_retry_to(&env["TEST_PGHA_STANDBY_URL"]).await;
     let ids: Vec<String> = pg

@@ -26,17 +26,7 @@ async fn current_lsn(pg: &tokio_postgres::Client) -> Lsn {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_outbox_in_a_busy_database_retains_little_wal_and_heartbeat_moves_an_idle_one() {
     let mut fx = Fixture::new("idlewal").await;
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "w", "1", "e", &serde_json::json!({})).await;
-    fx.collect_until(
-        &[warm],
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let (pg, relay) = fx.streaming().await;
 
     // 64 MiB of WAL into another table; the outbox stays quiet.
     let noise = fx.scoped("noise");

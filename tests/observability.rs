@@ -76,15 +76,8 @@ async fn metrics_health_logs_and_secrets() {
     let lsn0 = sample(&m0, "outbox_relay_confirmed_lsn");
     assert!(lsn0 > 0.0, "confirmed LSN not exported:\n{m0}");
 
-    let mut ids = Vec::new();
-    for i in 0..10 {
-        ids.push(
-            fx.insert(&pg, "m", "1", "e", &serde_json::json!({"i": i}))
-                .await,
-        );
-    }
-    fx.collect_until(&ids, Duration::from_secs(30), Duration::ZERO, Some(&relay))
-        .await;
+    let ids = fx.insert_many(&pg, 10, "m", |_| "1".into(), "e").await;
+    fx.expect_delivered(&ids, &relay).await;
     wait_for("published events counted", async || {
         sample(
             &http_get(&addr, "/metrics").await.1,

@@ -164,15 +164,9 @@ async fn a_table_added_to_the_config_is_picked_up_after_setup_and_a_restart() {
         "a row written before its table was published arrived"
     );
     // What was written before: `republish --table` sends it on purpose.
-    let out = fx
-        .relay_cmd("republish")
-        .args(["--table", &format!("public.{b}"), "--id", &early_b])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    fx.relay_ok(
+        "republish",
+        &["--table", &format!("public.{b}"), "--id", &early_b],
     );
     fx.expect_delivered(std::slice::from_ref(&early_b), &relay)
         .await;
@@ -464,9 +458,7 @@ async fn recover_and_prune_cover_every_table() {
 
     // While no relay runs: one event into each outbox; then the slot goes.
     let down = write_tx(&mut pg, &one_each("down"), &mut seqs, true).await;
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
-        .await
-        .unwrap();
+    fx.drop_slot(&pg).await;
     let out = fx.relay_cmd("recover").output().unwrap();
     let said = format!(
         "{}{}",

@@ -13,8 +13,6 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -32,8 +30,7 @@ async fn walsender_terminated_repeatedly_loses_nothing() {
     let mut fx = Fixture::new("pgterm").await;
     fx.start_reconnecting_consumer().await;
     let mut relay = fx.spawn_relay();
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 2), stop.clone());
+    let load = Load::start(&fx, [ProducerSpec::new("agg", 2)]);
 
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
@@ -65,18 +62,16 @@ async fn walsender_terminated_repeatedly_loses_nothing() {
     }
 
     tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
-    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(60),
-        Duration::from_secs(1),
-        Some(&relay),
-    )
-    .await;
-    let duplicates = check_deliveries(&[&report], &all);
+    let report = load.stop_one().await;
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &[&report],
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await;
     let target = report.last_commit_lsn.expect("LSN of the last commit");
     let confirmed = fx
         .wait_confirmed_at_least(target, Duration::from_secs(30), Some(&relay))
@@ -91,15 +86,11 @@ async fn walsender_terminated_repeatedly_loses_nothing() {
         "walsender terminated {TERMINATIONS}x: {} committed events, {} deliveries, {duplicates} duplicates; \
          slot streamed again after {reconnects:?}; relay sessions {sessions}; \
          confirmed_flush_lsn {confirmed} >= last commit {target}; test wall time {:.1}s",
-        ids.len(),
+        report.committed.len(),
         all.len(),
         started.elapsed().as_secs_f64()
     );
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    relay.stop_ok();
     fx.cleanup().await;
 }
 
@@ -110,8 +101,7 @@ async fn postgres_restart_mid_stream_loses_nothing() {
     let mut fx = Fixture::new("pgrestart").await;
     fx.start_reconnecting_consumer().await;
     let mut relay = fx.spawn_relay();
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 3), stop.clone());
+    let load = Load::start(&fx, [ProducerSpec::new("agg", 3)]);
 
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), Some(&relay))
@@ -133,24 +123,22 @@ async fn postgres_restart_mid_stream_loses_nothing() {
 
     // Keep committing with the server back (the producer reconnects).
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
+    let report = load.stop_one().await;
     // The restart broke the producer's connection: whichever statement
     // met it first (a transaction's, or the position query after a COMMIT).
     assert!(
         report.lost_connections > 0,
         "the producer never noticed the restart"
     );
-    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(60),
-        Duration::from_secs(1),
-        Some(&relay),
-    )
-    .await;
-    let duplicates = check_deliveries(&[&report], &all);
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &[&report],
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await;
     let target: Lsn = report.last_commit_lsn.expect("LSN of the last commit");
     let confirmed = fx
         .wait_confirmed_at_least(target, Duration::from_secs(30), Some(&relay))
@@ -169,17 +157,13 @@ async fn postgres_restart_mid_stream_loses_nothing() {
          {} in-doubt events ({in_doubt_delivered} delivered), {} failed txs; \
          restart took {restart_secs:.1}s, slot streamed again (pid {new_pid}) after {back_secs:.1}s; \
          confirmed_flush_lsn {confirmed} >= last commit {target}; test wall time {:.1}s",
-        ids.len(),
+        report.committed.len(),
         all.len(),
         report.in_doubt.len(),
         report.failed_txs,
         started.elapsed().as_secs_f64()
     );
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    relay.stop_ok();
     fx.cleanup().await;
 }
 
@@ -306,14 +290,7 @@ async fn postgres_unresponsive_while_reconnecting_is_transient() {
     let warm = fx
         .insert(&pg, "order", "o1", "placed", &serde_json::json!({}))
         .await;
-    let mut all = fx
-        .collect_until(
-            &[warm],
-            Duration::from_secs(30),
-            Duration::ZERO,
-            Some(&relay),
-        )
-        .await;
+    let mut all = fx.expect_delivered(&[warm], &relay).await;
     fx.wait_slot_active(None, Duration::from_secs(10))
         .await
         .expect("relay streaming");
@@ -359,11 +336,7 @@ async fn postgres_unresponsive_while_reconnecting_is_transient() {
         t.elapsed().as_secs_f64() - UNRESPONSIVE.as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
-    let (status, _) = relay.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    relay.stop_ok();
     fx.cleanup().await;
 }
 

@@ -21,6 +21,16 @@ async fn recv_one(
     }
 }
 
+/// The dead-letter exchange `dlx_<test>` with the queue `dlq_<test>` bound to
+/// all of it, in the config with `extra`; returns the queue's consumer.
+async fn dead_letters(fx: &Fixture, extra: &str) -> tokio::sync::mpsc::UnboundedReceiver<Received> {
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    dl_config(fx, extra);
+    fx.consume(&fx.scoped("dlq")).await
+}
+
+/// Names `dlx_<test>` the dead-letter exchange, with few, quick retries.
 fn dl_config(fx: &Fixture, extra: &str) {
     fx.set_config_extra(
         &format!(
@@ -34,12 +44,9 @@ fn dl_config(fx: &Fixture, extra: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_event_is_retried_then_dead_lettered_and_the_stream_moves_on() {
     let mut fx = Fixture::new("unroutable").await;
-    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
-        .await;
+    let mut dlq = dead_letters(&fx, "").await;
     fx.rebind_queue("ok.#").await; // 'lost.*' routing keys now go nowhere
-    dl_config(&fx, "");
     fx.start_consumer().await;
-    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let relay = fx.spawn_relay();
     let pg = pg_connect().await;
 
@@ -120,11 +127,8 @@ async fn unroutable_event_is_retried_then_dead_lettered_and_the_stream_moves_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn null_column_and_oversized_body_are_dead_lettered() {
     let mut fx = Fixture::new("nullbig").await;
-    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
-        .await;
-    dl_config(&fx, "max_message_bytes = 2048");
+    let mut dlq = dead_letters(&fx, "max_message_bytes = 2048").await;
     fx.start_consumer().await;
-    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let pg = pg_connect().await;
     pg.batch_execute(&format!(
         "ALTER TABLE {} ALTER COLUMN aggregate_type DROP NOT NULL",
@@ -249,11 +253,8 @@ async fn a_refusing_dead_letter_exchange_stops_the_relay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on() {
     let mut fx = Fixture::new("badheaders").await;
-    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
-        .await;
-    dl_config(&fx, "max_message_bytes = 4096");
+    let mut dlq = dead_letters(&fx, "max_message_bytes = 4096").await;
     fx.start_consumer().await;
-    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
     let insert = format!(
@@ -348,18 +349,15 @@ async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_templated_exchange_that_does_not_exist_is_dead_lettered() {
     let mut fx = Fixture::new("noexchange").await;
-    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
-        .await;
+    let mut dlq = dead_letters(&fx, "").await;
     let routed = format!("{}_order", fx.exchange);
     fx.declare_bound(&routed, Some(&fx.queue), "#").await;
-    dl_config(&fx, "");
     let text = std::fs::read_to_string(&fx.config).unwrap().replace(
         &format!("exchange = \"{}\"", fx.exchange),
         &format!("exchange = \"{}_{{aggregate_type}}\"", fx.exchange),
     );
     std::fs::write(&fx.config, text).unwrap();
     fx.start_consumer().await;
-    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
 
@@ -463,11 +461,8 @@ async fn a_message_nacked_again_and_again_is_dead_lettered() {
 async fn headers_at_the_frame_limit_arrive_and_one_byte_over_are_dead_lettered() {
     const FRAME_MAX: usize = 4096;
     let fx = Fixture::new("hdrlimit").await;
-    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
-        .await;
-    dl_config(&fx, "");
+    let mut dlq = dead_letters(&fx, "").await;
     let mut rx = fx.consume(&fx.queue).await;
-    let mut dlq = fx.consume(&fx.scoped("dlq")).await;
     let pg = pg_connect().await;
     let url = format!("{}?frame_max={FRAME_MAX}", amqp_url());
     let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_RABBITMQ_URL", url.as_str())]);

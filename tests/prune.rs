@@ -30,19 +30,7 @@ async fn prune_deletes_only_old_confirmed_rows_and_publishes_nothing() {
     fx.start_consumer().await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
-    let mut ids = Vec::new();
-    for i in 0..20 {
-        ids.push(
-            fx.insert(
-                &pg,
-                "p",
-                &format!("p{i}"),
-                "e",
-                &serde_json::json!({"i": i}),
-            )
-            .await,
-        );
-    }
+    let ids = fx.insert_many(&pg, 20, "p", |i| format!("p{i}"), "e").await;
     fx.expect_delivered(&ids, &relay).await;
     // The checkpoint (written each second) covers them.
     tokio::time::sleep(Duration::from_millis(2500)).await;

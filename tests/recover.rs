@@ -26,26 +26,8 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
     fx.start_consumer().await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
-    let mut before = Vec::new();
-    for i in 0..20 {
-        before.push(
-            fx.insert(
-                &pg,
-                "r",
-                &format!("a{i}"),
-                "e",
-                &serde_json::json!({"i": i}),
-            )
-            .await,
-        );
-    }
-    fx.collect_until(
-        &before,
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let before = fx.insert_many(&pg, 20, "r", |i| format!("a{i}"), "e").await;
+    fx.expect_delivered(&before, &relay).await;
     tokio::time::sleep(Duration::from_millis(1500)).await; // checkpoint written at most once a second
     relay.sigterm();
 
@@ -57,19 +39,7 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
     );
 
     // While the relay is down: events it never sent, then the slot is lost.
-    let mut while_down = Vec::new();
-    for i in 0..30 {
-        while_down.push(
-            fx.insert(
-                &pg,
-                "r",
-                &format!("b{i}"),
-                "e",
-                &serde_json::json!({"i": i}),
-            )
-            .await,
-        );
-    }
+    let while_down = fx.insert_many(&pg, 30, "r", |i| format!("b{i}"), "e").await;
     lose_slot(&fx, &pg).await;
 
     let out = fx.relay_cmd("run").output().unwrap();
@@ -80,13 +50,7 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
         "{err}"
     );
 
-    let dry = fx.relay_cmd("recover").arg("--dry-run").output().unwrap();
-    assert!(
-        dry.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dry.stderr)
-    );
-    let text = String::from_utf8_lossy(&dry.stdout);
+    let text = fx.relay_ok("recover", &["--dry-run"]);
     assert!(text.contains("would re-publish"), "{text}");
     let wal_status = wal_status(&fx, &pg).await;
     assert_eq!(
@@ -95,12 +59,7 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
         "dry run changed the slot"
     );
 
-    let rec = fx.relay_cmd("recover").output().unwrap();
-    assert!(
-        rec.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rec.stderr)
-    );
+    fx.relay_ok("recover", &[]);
     let got = fx
         .collect_until(
             &while_down,
@@ -120,27 +79,13 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
     // The recreated slot streams new events.
     let relay = fx.spawn_relay();
     let after = fx.insert(&pg, "r", "c1", "e", &serde_json::json!({})).await;
-    fx.collect_until(
-        std::slice::from_ref(&after),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(std::slice::from_ref(&after), &relay)
+        .await;
     relay.sigterm();
 
     // republish --id: the same message id again.
     let again = &before[3];
-    let out = fx
-        .relay_cmd("republish")
-        .args(["--id", again])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    fx.relay_ok("republish", &["--id", again]);
     let got = fx
         .collect_until(
             std::slice::from_ref(again),
@@ -161,16 +106,7 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
         .await
         .unwrap()
         .get(0);
-    let out = fx
-        .relay_cmd("republish")
-        .args(["--since", &since])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    fx.relay_ok("republish", &["--since", &since]);
     let all: Vec<String> = before
         .iter()
         .chain(&while_down)
@@ -191,11 +127,7 @@ async fn a_lost_slot_is_recovered_from_the_checkpoint_without_losing_events() {
 async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
     let _serial = SERIAL.lock().await;
     let mut fx = Fixture::new("recover_long").await;
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let first = fx.insert(&pg, "r", "a", "e", &serde_json::json!({})).await;
-    fx.expect_delivered(&[first], &relay).await;
+    let (pg, relay) = fx.streaming().await;
     // The long transaction: its row's created_at is its start.
     let mut long_pg = pg_connect().await;
     let long_tx = long_pg.transaction().await.unwrap();
@@ -212,33 +144,14 @@ async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
     tokio::time::sleep(Duration::from_millis(3000)).await;
     relay.kill9();
     long_tx.commit().await.unwrap();
-    let recorded: Option<f64> = pg
-        .query_one(
-            "SELECT longest_tx_secs FROM outbox_relay_checkpoint WHERE slot_name = $1",
-            &[&fx.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let recorded: Option<f64> = fx.checkpoint_column(&pg, "longest_tx_secs").await;
     assert!(
         recorded.is_some_and(|s| s >= 4.0),
         "longest transaction recorded: {recorded:?}"
     );
     // The slot is lost (dropped here): recover with a 1 s overlap.
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
-        .await
-        .unwrap();
-    let rec = fx
-        .relay_cmd("recover")
-        .args(["--overlap-secs", "1"])
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&rec.stdout);
-    assert!(
-        rec.status.success(),
-        "{out}{}",
-        String::from_utf8_lossy(&rec.stderr)
-    );
+    fx.drop_slot(&pg).await;
+    let out = fx.relay_ok("recover", &["--overlap-secs", "1"]);
     // The window was widened by what was measured, not by the margin alone.
     let measured: f64 = out
         .split("longest transaction seen, ")
@@ -259,7 +172,7 @@ async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
 async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
     let _serial = SERIAL.lock().await;
     let mut fx = Fixture::new("recover_resume").await;
-    let pg = checkpointed(&mut fx).await;
+    let pg = fx.checkpointed().await;
     let mut before_bad = Vec::new();
     for i in 0..10 {
         before_bad.push(
@@ -277,9 +190,7 @@ async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
                 .await,
         );
     }
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
-        .await
-        .unwrap();
+    fx.drop_slot(&pg).await;
     fx.rebind_queue("ok.#").await;
     let rec = fx.relay_cmd("recover").output().unwrap();
     let err = String::from_utf8_lossy(&rec.stderr);
@@ -294,14 +205,7 @@ async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
         )
         .await;
     let first_pass = count_by_id(&got);
-    let done: Option<i64> = pg
-        .query_one(
-            "SELECT recovery_done FROM outbox_relay_checkpoint WHERE slot_name = $1",
-            &[&fx.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let done: Option<i64> = fx.checkpoint_column(&pg, "recovery_done").await;
     assert!(done.is_some_and(|d| d >= 10), "recorded progress {done:?}");
 
     // Routable again: `run` finishes the recovery, then streams.
@@ -321,14 +225,7 @@ async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
         );
     }
     relay.stop_ok();
-    let pending: Option<String> = pg
-        .query_one(
-            "SELECT recovery_since::text FROM outbox_relay_checkpoint WHERE slot_name = $1",
-            &[&fx.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let pending: Option<String> = fx.checkpoint_column(&pg, "recovery_since::text").await;
     assert_eq!(pending, None, "the recovery is still recorded");
     fx.cleanup().await;
 }
@@ -341,7 +238,7 @@ async fn run_finishes_a_recovery_an_undeliverable_row_stopped() {
 async fn a_transaction_is_re_published_in_the_order_it_was_written() {
     let _serial = SERIAL.lock().await;
     let mut fx = Fixture::new("recover_order").await;
-    let pg = checkpointed(&mut fx).await;
+    let pg = fx.checkpointed().await;
     let ids: Vec<String> = (1..=5)
         .rev()
         .map(|i| format!("00000000-0000-0000-0000-00000000000{i}"))
@@ -363,15 +260,8 @@ async fn a_transaction_is_re_published_in_the_order_it_was_written() {
     ))
     .await
     .unwrap();
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
-        .await
-        .unwrap();
-    let rec = fx.relay_cmd("recover").output().unwrap();
-    assert!(
-        rec.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rec.stderr)
-    );
+    fx.drop_slot(&pg).await;
+    fx.relay_ok("recover", &[]);
     let got = fx
         .collect_until(
             &ids,
@@ -389,8 +279,6 @@ async fn a_transaction_is_re_published_in_the_order_it_was_written() {
     fx.cleanup().await;
 }
 
-/// Starts the consumer, streams one event, waits for the checkpoint to
-/// record it, and stops the relay: a recovery has a window to start from.
 /// A recovery recorded while a relay streams (another relay re-publishing
 /// after a failover, or `outbox-relay recover`): the relay's next session
 /// does not stream past it, it finishes the recovery first (streaming
@@ -522,18 +410,7 @@ async fn a_sequence_column_keeps_a_transaction_s_rows_in_written_order() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let republished = |fx: &Fixture| {
-        let out = fx
-            .relay_cmd("republish")
-            .args(["--since", "2000-01-01"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
+    let republished = |fx: &Fixture| fx.relay_ok("republish", &["--since", "2000-01-01"]);
     let seqs = |got: &[Received]| -> Vec<i64> {
         got.iter()
             .filter(|r| r.header_str("aggregate_id").as_deref() == Some("o"))

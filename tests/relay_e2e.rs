@@ -164,14 +164,7 @@ async fn published_message_matches_the_schema() {
         .await
         .unwrap()
         .get(0);
-    let got = fx
-        .collect_until(
-            std::slice::from_ref(&id),
-            Duration::from_secs(30),
-            Duration::ZERO,
-            Some(&relay),
-        )
-        .await;
+    let got = fx.expect_delivered(std::slice::from_ref(&id), &relay).await;
     let r = &got[0];
     assert_eq!(r.routing_key, "evt.inv-7.paid");
     assert_eq!(r.message_id(), id);
@@ -249,26 +242,10 @@ async fn graceful_restart_resumes_from_the_slot_without_duplicates() {
     fx.start_consumer().await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
-    let mut first = Vec::new();
-    for i in 0..50 {
-        first.push(
-            fx.insert(
-                &pg,
-                "user",
-                &format!("u{i}"),
-                "registered",
-                &serde_json::json!({"i": i}),
-            )
-            .await,
-        );
-    }
-    fx.collect_until(
-        &first,
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    let first = fx
+        .insert_many(&pg, 50, "user", |i| format!("u{i}"), "registered")
+        .await;
+    fx.expect_delivered(&first, &relay).await;
     let (status, _) = relay.sigterm();
     assert!(status.success());
     // It said goodbye: connection.close, answered, before the socket shut.
@@ -279,19 +256,9 @@ async fn graceful_restart_resumes_from_the_slot_without_duplicates() {
     );
     fx.wait_slot_inactive(&pg).await;
 
-    let mut second = Vec::new();
-    for i in 0..50 {
-        second.push(
-            fx.insert(
-                &pg,
-                "user",
-                &format!("u{i}"),
-                "renamed",
-                &serde_json::json!({"i": i}),
-            )
-            .await,
-        );
-    }
+    let second = fx
+        .insert_many(&pg, 50, "user", |i| format!("u{i}"), "renamed")
+        .await;
     let relay = fx.spawn_relay();
     let got = fx
         .collect_until(
@@ -328,13 +295,8 @@ async fn schema_change_mid_stream_is_followed_without_a_restart() {
     let before = fx
         .insert(&pg, "doc", "d1", "v1", &serde_json::json!({"v": 1}))
         .await;
-    fx.collect_until(
-        std::slice::from_ref(&before),
-        Duration::from_secs(30),
-        Duration::ZERO,
-        Some(&relay),
-    )
-    .await;
+    fx.expect_delivered(std::slice::from_ref(&before), &relay)
+        .await;
 
     pg.batch_execute(&format!("ALTER TABLE {} ADD COLUMN note text", fx.table))
         .await
@@ -355,12 +317,7 @@ async fn schema_change_mid_stream_is_followed_without_a_restart() {
         .unwrap()
         .get(0);
     let got = fx
-        .collect_until(
-            std::slice::from_ref(&after),
-            Duration::from_secs(30),
-            Duration::ZERO,
-            Some(&relay),
-        )
+        .expect_delivered(std::slice::from_ref(&after), &relay)
         .await;
     let r = &got[0];
     assert_eq!(r.routing_key, "doc.v2");

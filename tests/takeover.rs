@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -28,8 +26,7 @@ async fn standby_takes_over_after_kill9_of_the_active_relay() {
     let mut relays = [Some(fx.spawn_relay()), Some(fx.spawn_relay())];
     let pids: Vec<u32> = relays.iter().flatten().map(|r| r.pid()).collect();
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = spawn_producer(&fx, ProducerSpec::new("agg", 4), stop.clone());
+    let load = Load::start(&fx, [ProducerSpec::new("agg", 4)]);
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 50, Duration::from_secs(30), relays[0].as_ref())
         .await;
@@ -131,19 +128,10 @@ async fn standby_takes_over_after_kill9_of_the_active_relay() {
     );
 
     tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::SeqCst);
-    let report = producer.await.unwrap();
-    let ids: Vec<String> = report.committed.iter().map(|e| e.id.clone()).collect();
+    let report = load.stop_one().await;
     let standby = relays[s].take().unwrap();
-    fx.collect_rest(
-        &mut all,
-        &ids,
-        Duration::from_secs(60),
-        Duration::from_secs(1),
-        Some(&standby),
-    )
-    .await;
-    // The marker was not produced by the producer: count it as one of its.
+    // The marker was not produced by the producer: count it as one of its
+    // (it has arrived already).
     let marker_report = ProducerReport {
         committed: vec![Produced {
             id: marker,
@@ -152,22 +140,26 @@ async fn standby_takes_over_after_kill9_of_the_active_relay() {
         }],
         ..Default::default()
     };
-    let duplicates = check_deliveries(&[&report, &marker_report], &all);
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &[&report, &marker_report],
+            Duration::from_secs(60),
+            Duration::from_secs(1),
+            Some(&standby),
+        )
+        .await;
     println!(
         "takeover: slot streamed by the standby {:.2}s after kill -9, new events delivered after {:.2}s; \
          {} committed events, {} deliveries, {duplicates} duplicates; test wall time {:.1}s",
         slot_takeover.as_secs_f64(),
         event_takeover.as_secs_f64(),
-        ids.len() + 1,
+        report.committed.len() + 1,
         all.len(),
         started.elapsed().as_secs_f64()
     );
     assert!(slot_takeover < TAKEOVER_LIMIT && event_takeover < TAKEOVER_LIMIT);
-    let (status, _) = standby.sigterm();
-    assert!(
-        status.success(),
-        "relay exit status after SIGTERM: {status}"
-    );
+    standby.stop_ok();
     fx.cleanup().await;
 }
 

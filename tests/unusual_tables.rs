@@ -213,9 +213,7 @@ async fn an_unusual_publication_name_is_sent_quoted() {
     std::fs::write(&f.config, text).unwrap();
     // pgoutput looks publications up as of the WAL it decodes: the slot
     // must be made after the publication, as `setup` does.
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&f.slot])
-        .await
-        .unwrap();
+    f.drop_slot(&pg).await;
     let out = f.relay_cmd("setup").output().unwrap();
     assert!(
         out.status.success(),
@@ -240,9 +238,7 @@ async fn an_unusual_publication_name_is_sent_quoted() {
 async fn a_two_phase_slot_is_refused() {
     let f = Fixture::new("twophase").await;
     let pg = pg_connect().await;
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&f.slot])
-        .await
-        .unwrap();
+    f.drop_slot(&pg).await;
     pg.execute(
         "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, true)",
         &[&f.slot],

@@ -11,8 +11,11 @@ use crate::Settings;
 use crate::ceiling::{PublisherRun, RustPublisher};
 use crate::latency::LatencyRun;
 use crate::polling::{DispatchArgs, Dispatcher, claim_sql};
-use crate::relay::{RelayConfig, metric_value};
+use crate::relay::RelayConfig;
 use crate::report::{Machine, Report};
+
+mod drain;
+use drain::{drop_leftovers, messages_drain, prepare_relay, relay_drain};
 
 /// Names of everything one queue type uses.
 pub struct Names {
@@ -110,163 +113,6 @@ impl QueueTypeResult {
 
 fn lsn_diff(a: u64, b: u64) -> u64 {
     b.saturating_sub(a)
-}
-
-async fn drop_leftovers(pg: &Client, n: &Names) -> Result<()> {
-    // The slots of every pass (`<slot>`, `<slot>_p2`, ...) and the decode
-    // slot; also what an earlier run on the same servers left.
-    let which = "slot_name = $1 OR starts_with(slot_name, $2 || '_p') OR slot_name = $3";
-    pg.execute(
-        &format!("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE ({which}) AND active_pid IS NOT NULL"),
-        &[&n.slot, &n.slot, &n.recv_slot],
-    )
-    .await?;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    pg.execute(
-        &format!(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE {which}"
-        ),
-        &[&n.slot, &n.slot, &n.recv_slot],
-    )
-    .await?;
-    pg.batch_execute(&format!(
-        "DROP PUBLICATION IF EXISTS {}; DROP TABLE IF EXISTS {}; DROP TABLE IF EXISTS {};",
-        n.publication, n.table, n.poll_table
-    ))
-    .await?;
-    Ok(())
-}
-
-/// Table, exchange, queue, relay config and `outbox-relay setup`.
-async fn prepare_relay(
-    s: &Settings,
-    pg: &Client,
-    amqp: &lapin::Connection,
-    n: &Names,
-) -> Result<RelayConfig> {
-    drop_leftovers(pg, n).await?;
-    crate::amqp::declare(amqp, &n.exchange, &n.queue, &n.queue_type).await?;
-    crate::pg::create_outbox(pg, &s.outbox_sql, &n.table).await?;
-    let cfg = RelayConfig::write(
-        s,
-        n.slot.trim_start_matches("bench_slot_"),
-        &n.table,
-        &n.slot,
-        &n.publication,
-        &n.exchange,
-    )?;
-    cfg.setup()?;
-    Ok(cfg)
-}
-
-/// One relay drain: start `outbox-relay run`, wait until the queue holds
-/// every event, read CPU and RSS, stop it. Also returns the relay's own
-/// count of published events.
-async fn relay_drain(
-    s: &Settings,
-    pg: &Client,
-    cfg: &RelayConfig,
-    probe: &mut crate::amqp::DepthProbe,
-    lsn0: u64,
-    lsn1: u64,
-    insert: Duration,
-) -> Result<(Drain, Option<f64>)> {
-    probe.purge().await?;
-    pg.batch_execute("CHECKPOINT").await?;
-    let lsn_start = crate::pg::wal_lsn(pg).await?;
-    let t0 = Instant::now();
-    let mut child = cfg.spawn("drain")?;
-    let pid = child.id().to_string();
-    let waited = probe
-        .wait_for(
-            s.events,
-            Duration::from_millis(20),
-            Duration::from_secs(1800),
-            || match child.try_wait()? {
-                Some(st) => bail!("relay exited ({st}) during the drain"),
-                None => Ok(()),
-            },
-        )
-        .await;
-    let measured = match waited {
-        Ok((first, done)) => {
-            let cpu = crate::procs::cpu_seconds(&pid)?;
-            let rss = crate::procs::peak_rss_bytes(&pid)?;
-            let published =
-                cfg.metrics().await.ok().and_then(|t| {
-                    metric_value(&t, "outbox_relay_events_total{outcome=\"published\"}")
-                });
-            Ok((first, done, cpu, rss, published))
-        }
-        Err(e) => Err(e),
-    };
-    let stopped = crate::procs::terminate(&mut child, Duration::from_secs(30)).await;
-    let (first, done, cpu, rss, published) =
-        measured.map_err(|e| e.context(format!("relay log:\n{}", cfg.log_tail("drain"))))?;
-    stopped?;
-    let lsn2 = crate::pg::wal_lsn(pg).await?;
-    let secs = (done - t0).as_secs_f64();
-    let after_first = (done - first).as_secs_f64().max(1e-9);
-    // The CHECKPOINT's own record is not the relay's.
-    let drain_wal = lsn_diff(lsn_start, lsn2);
-    Ok((
-        Drain {
-            events: s.events,
-            seconds: secs,
-            events_per_s: s.events as f64 / secs,
-            seconds_after_first: after_first,
-            events_per_s_after_first: s.events as f64 / after_first,
-            cpu_seconds: cpu,
-            cpu_seconds_per_100k: cpu / s.events as f64 * 100_000.0,
-            peak_rss_bytes: rss,
-            insert_wal_bytes: lsn_diff(lsn0, lsn1),
-            insert_seconds: insert.as_secs_f64(),
-            drain_wal_bytes: drain_wal,
-            wal_bytes_per_event: (lsn_diff(lsn0, lsn1) + drain_wal) as f64 / s.events as f64,
-        },
-        published,
-    ))
-}
-
-/// The relay over the same events as logical messages: no table at all.
-async fn messages_drain(
-    s: &Settings,
-    pg: &Client,
-    n: &Names,
-    probe: &mut crate::amqp::DepthProbe,
-) -> Result<Drain> {
-    let (slot, publication) = (format!("{}_msg", n.slot), format!("{}_msg", n.publication));
-    let prefix = format!("bench-{}", n.queue_type);
-    pg.batch_execute(&format!("DROP PUBLICATION IF EXISTS {publication}"))
-        .await?;
-    let cfg = RelayConfig::write_messages(
-        s,
-        &format!("{}-msg", n.slot.trim_start_matches("bench_slot_")),
-        &prefix,
-        &slot,
-        &publication,
-        &n.exchange,
-    )?;
-    cfg.setup()?;
-    eprintln!(
-        "  table-less: emitting {} events as logical messages ...",
-        s.events
-    );
-    let lsn0 = crate::pg::wal_lsn(pg).await?;
-    let insert = crate::pg::emit_backlog(pg, &prefix, 1, s.events, s.tx_rows).await?;
-    let lsn1 = crate::pg::wal_lsn(pg).await?;
-    pg.batch_execute("CHECKPOINT").await?;
-    eprintln!("  table-less: relay drain ...");
-    let (d, _) = relay_drain(s, pg, &cfg, probe, lsn0, lsn1, insert).await?;
-    eprintln!(
-        "    relay (table-less): {:.0} events/s, {:.2} CPU s/100k, {:.0} WAL bytes/event",
-        d.events_per_s, d.cpu_seconds_per_100k, d.wal_bytes_per_event
-    );
-    pg.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-        .await?;
-    pg.batch_execute(&format!("DROP PUBLICATION IF EXISTS {publication}"))
-        .await?;
-    Ok(d)
 }
 
 async fn queue_type_round(

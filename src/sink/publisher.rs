@@ -384,7 +384,7 @@ const SPAN_WINDOWS: usize = 4;
 ///
 /// One task drives the connection: publishes are queued into its write
 /// buffer a batch at a time (whatever the source has ready, up to
-/// [`BATCH`]) and written in one go while the loop waits for answers.
+/// `BATCH`) and written in one go while the loop waits for answers.
 pub async fn run(
     sink: &mut AmqpSink,
     mut items: mpsc::Receiver<SinkItem>,

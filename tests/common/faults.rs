@@ -150,13 +150,14 @@ impl Fixture {
 
     /// `active_pid` of the slot: the walsender streaming it, if any.
     pub async fn slot_active_pid(&self, pg: &Client) -> Option<i32> {
-        pg.query_one(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[&self.slot],
-        )
-        .await
-        .expect("reading pg_replication_slots")
-        .get(0)
+        self.slot_column(pg, "active_pid").await
+    }
+
+    /// Drops the fixture's slot (it must not be active): a slot lost.
+    pub async fn drop_slot(&self, pg: &Client) {
+        pg.execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
+            .await
+            .unwrap();
     }
 
     /// Waits until a walsender other than `not` streams the slot; returns its

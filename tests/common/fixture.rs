@@ -272,6 +272,28 @@ listen = "127.0.0.1:0"
         row.get(0)
     }
 
+    /// Inserts `n` events, each in its own transaction, with payload
+    /// `{"i": i}` and the aggregate id `aggregate_id(i)`; returns their ids
+    /// in commit order.
+    pub async fn insert_many(
+        &self,
+        pg: &Client,
+        n: usize,
+        aggregate_type: &str,
+        aggregate_id: impl Fn(usize) -> String,
+        event_type: &str,
+    ) -> Vec<String> {
+        let mut ids = Vec::with_capacity(n);
+        for i in 0..n {
+            let payload = serde_json::json!({ "i": i });
+            ids.push(
+                self.insert(pg, aggregate_type, &aggregate_id(i), event_type, &payload)
+                    .await,
+            );
+        }
+        ids
+    }
+
     /// SQL that inserts one event, for use inside explicit transactions.
     pub fn insert_sql(&self) -> String {
         format!(
@@ -289,36 +311,7 @@ listen = "127.0.0.1:0"
 
     /// Consumes `queue` (no-ack) into a channel.
     pub async fn consume(&self, queue: &str) -> tokio::sync::mpsc::UnboundedReceiver<Received> {
-        let ch = self.amqp.create_channel().await.unwrap();
-        let tag = format!("c_{}_{}", queue, COUNTER.fetch_add(1, Ordering::SeqCst));
-        let mut consumer = ch
-            .basic_consume(
-                queue.into(),
-                tag.as_str().into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let _ch = ch;
-            while let Some(Ok(d)) = consumer.next().await {
-                let r = Received {
-                    exchange: d.exchange.to_string(),
-                    routing_key: d.routing_key.to_string(),
-                    body: d.data,
-                    properties: d.properties,
-                };
-                if tx.send(r).is_err() {
-                    break;
-                }
-            }
-        });
-        rx
+        consume_on(&self.amqp, queue).await
     }
 
     /// Declares a durable topic exchange and a durable queue bound to it
@@ -459,6 +452,43 @@ listen = "127.0.0.1:0"
                 .await;
         }
     }
+}
+
+/// Consumes `queue` on `amqp` (no-ack) into a channel.
+pub async fn consume_on(
+    amqp: &Connection,
+    queue: &str,
+) -> tokio::sync::mpsc::UnboundedReceiver<Received> {
+    let ch = amqp.create_channel().await.unwrap();
+    let tag = format!("c_{}_{}", queue, COUNTER.fetch_add(1, Ordering::SeqCst));
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            tag.as_str().into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let _ch = ch;
+        while let Some(Ok(d)) = consumer.next().await {
+            let r = Received {
+                exchange: d.exchange.to_string(),
+                routing_key: d.routing_key.to_string(),
+                body: d.data,
+                properties: d.properties,
+            };
+            if tx.send(r).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }
 
 pub fn repo_path(rel: &str) -> PathBuf {

@@ -7,6 +7,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
+use tokio_postgres::types::FromSqlOwned;
 
 use super::*;
 
@@ -23,6 +24,30 @@ impl Fixture {
             status,
             std::fs::read_to_string(&relay.log).unwrap_or_default(),
         )
+    }
+
+    /// Starts the consumer and the relay, and waits for one event to go
+    /// through: the relay is streaming. Returns the SQL connection and it.
+    pub async fn streaming(&mut self) -> (Client, Relay) {
+        self.start_consumer().await;
+        let pg = pg_connect_retry_to(&self.pg_url).await;
+        let relay = self.spawn_relay();
+        // "ok": routed where the tests that route only some keys route.
+        let warm = self
+            .insert(&pg, "ok", "w", "e", &serde_json::json!({}))
+            .await;
+        self.expect_delivered(&[warm], &relay).await;
+        (pg, relay)
+    }
+
+    /// [`Fixture::streaming`], then the checkpoint row written (at most once
+    /// a second) and the relay stopped: a recovery has a window to start
+    /// from. Returns the SQL connection.
+    pub async fn checkpointed(&mut self) -> Client {
+        let (pg, relay) = self.streaming().await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        relay.stop_ok();
+        pg
     }
 
     /// [`Fixture::collect_until`] with the usual 30 s and no settling time.
@@ -122,34 +147,39 @@ impl Fixture {
         got
     }
 
+    /// One column of the fixture's slot in `pg_replication_slots`; panics
+    /// when the slot is gone or the query fails.
+    pub async fn slot_column<T: FromSqlOwned>(&self, pg: &Client, column: &str) -> T {
+        pg.query_one(
+            &format!("SELECT {column} FROM pg_replication_slots WHERE slot_name = $1"),
+            &[&self.slot],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("reading {column} of slot {}: {e}", self.slot))
+        .get(0)
+    }
+
+    /// One column of the fixture's row in `outbox_relay_checkpoint`.
+    pub async fn checkpoint_column<T: FromSqlOwned>(&self, pg: &Client, column: &str) -> T {
+        pg.query_one(
+            &format!("SELECT {column} FROM outbox_relay_checkpoint WHERE slot_name = $1"),
+            &[&self.slot],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("reading the checkpoint's {column}: {e}"))
+        .get(0)
+    }
+
     /// The slot's `confirmed_flush_lsn`.
     pub async fn confirmed_flush_lsn(&self, pg: &Client) -> Lsn {
-        let s: String = pg
-            .query_one(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                &[&self.slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let s: String = self.slot_column(pg, "confirmed_flush_lsn::text").await;
         s.parse().unwrap()
     }
 
     /// Waits until the slot is no longer held by a walsender.
     pub async fn wait_slot_inactive(&self, pg: &Client) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let active: bool = pg
-                .query_one(
-                    "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&self.slot],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            if !active {
-                return;
-            }
+        while self.slot_column::<bool>(pg, "active").await {
             assert!(Instant::now() < deadline, "slot {} still active", self.slot);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -230,6 +230,63 @@ pub fn spawn_producer(
     })
 }
 
+/// Producers committing in the background while a test injects its
+/// faults, stopped together.
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    producers: Vec<tokio::task::JoinHandle<ProducerReport>>,
+}
+
+impl Load {
+    /// Starts one producer per spec ([`spawn_producer`]).
+    pub fn start(fx: &Fixture, specs: impl IntoIterator<Item = ProducerSpec>) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let producers = specs
+            .into_iter()
+            .map(|spec| spawn_producer(fx, spec, stop.clone()))
+            .collect();
+        Load { stop, producers }
+    }
+
+    /// Stops the producers; their reports, in the order of their specs.
+    pub async fn stop(self) -> Vec<ProducerReport> {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut reports = Vec::new();
+        for p in self.producers {
+            reports.push(p.await.expect("a producer panicked"));
+        }
+        reports
+    }
+
+    /// [`Load::stop`] of a load of one producer: its report.
+    pub async fn stop_one(self) -> ProducerReport {
+        let mut reports = self.stop().await;
+        assert_eq!(reports.len(), 1, "a load of one producer");
+        reports.remove(0)
+    }
+}
+
+impl Fixture {
+    /// Collects into `all` until every event `reports` say committed has
+    /// arrived (then for `settle` more), checks the deliveries against the
+    /// reports ([`check_deliveries`]) and returns the duplicate count.
+    pub async fn committed_arrive(
+        &mut self,
+        all: &mut Vec<Received>,
+        reports: &[&ProducerReport],
+        timeout: Duration,
+        settle: Duration,
+        relay: Option<&Relay>,
+    ) -> usize {
+        let ids: Vec<String> = reports
+            .iter()
+            .flat_map(|r| r.committed.iter().map(|e| e.id.clone()))
+            .collect();
+        self.collect_rest(all, &ids, timeout, settle, relay).await;
+        check_deliveries(reports, all)
+    }
+}
+
 /// Checks deliveries against what producers did: every committed event
 /// delivered, nothing rolled back delivered, nothing unknown delivered
 /// (in-doubt events may or may not arrive). Returns the duplicate count.

@@ -144,6 +144,22 @@ impl ScratchPg {
         )
     }
 
+    /// A minimal relay config for this server and the test broker, in a
+    /// directory of its own: `[postgres] url`, `sections` (TOML, may be
+    /// empty), `[rabbitmq]` with `exchange`. Returns the directory (keep
+    /// it) and the file.
+    pub fn minimal_config(&self, sections: &str, exchange: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("relay.toml");
+        let text = format!(
+            "[postgres]\nurl = \"{}\"\n{sections}[rabbitmq]\nurl = \"{}\"\nexchange = \"{exchange}\"\n",
+            self.url(),
+            amqp_url()
+        );
+        std::fs::write(&config, text).unwrap();
+        (dir, config)
+    }
+
     /// `conf` appended to postgresql.conf (port, socket directory and
     /// `fsync = off` are set), `hba` as pg_hba.conf when given; `prepare`
     /// puts files into the directory before the server's user owns it.

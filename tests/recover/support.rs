@@ -1,22 +1,7 @@
-//! What the recovery tests share (`tests/recover.rs`): a relay that has
-//! written its checkpoint, and a slot made lost for real.
-
-use std::time::Duration;
+//! What the recovery tests share (`tests/recover.rs`): a slot made lost
+//! for real, and its `wal_status`.
 
 use super::common::*;
-
-/// A consumer, and a relay that delivered one event and wrote its
-/// checkpoint, then stopped; the SQL connection.
-pub async fn checkpointed(fx: &mut Fixture) -> tokio_postgres::Client {
-    fx.start_consumer().await;
-    let pg = pg_connect().await;
-    let relay = fx.spawn_relay();
-    let warm = fx.insert(&pg, "ok", "w", "e", &serde_json::json!({})).await;
-    fx.expect_delivered(&[warm], &relay).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint
-    relay.stop_ok();
-    pg
-}
 
 /// Makes the slot's WAL go away: a tiny `max_slot_wal_keep_size`, WAL written
 /// past it, checkpoints. Restores the setting afterwards.
@@ -61,11 +46,5 @@ pub async fn lose_slot(fx: &Fixture, pg: &tokio_postgres::Client) {
 
 /// The fixture's slot's `wal_status` (`lost` once its WAL is gone).
 pub async fn wal_status(fx: &Fixture, pg: &tokio_postgres::Client) -> Option<String> {
-    pg.query_one(
-        "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-        &[&fx.slot],
-    )
-    .await
-    .unwrap()
-    .get(0)
+    fx.slot_column(pg, "wal_status").await
 }

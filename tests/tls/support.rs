@@ -390,6 +390,17 @@ pub async fn wait_no_relay_backends(pg: &Client) {
     }
 }
 
+/// A broker URL nobody listens on, for the tests of PostgreSQL alone.
+pub const NO_BROKER: &str = "amqp://guest:guest@127.0.0.1:1/%2f";
+
+/// A config for PostgreSQL at `pg_url` alone ([`NO_BROKER`]), with its
+/// publication and slot made.
+pub async fn published(pg: &Client, pg_url: &str) -> RelayConfig {
+    let cfg = RelayConfig::new(pg_url, "", NO_BROKER, "");
+    publish(pg, &cfg).await;
+    cfg
+}
+
 /// The publication and slot of `cfg`, as `setup` would make them.
 pub async fn publish(pg: &Client, cfg: &RelayConfig) {
     pg.batch_execute(&format!(

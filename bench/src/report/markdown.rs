@@ -180,7 +180,10 @@ pub(super) fn cost_md(r: &Report) -> String {
     for q in &r.queue_types {
         for (label, d) in [
             ("relay", &q.relay),
-            ("relay, table-less outbox (logical messages)", &q.relay_messages),
+            (
+                "relay, table-less outbox (logical messages)",
+                &q.relay_messages,
+            ),
             ("polling dispatcher", &q.polling),
         ] {
             if let Some(d) = d {
