@@ -451,14 +451,7 @@ async fn after_a_failover_the_default_is_to_stop_and_name_the_fix() {
     .await;
     // Streaming from the primary's slot, and nothing tried on the standby
     // was taken for a lost slot.
-    let active: bool = pg
-        .query_one(
-            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
-            &[&fx.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let active: bool = fx.slot_column(&pg, "active").await;
     assert!(
         active,
         "the primary's slot is not streamed:\n{}",

@@ -78,8 +78,7 @@ async fn million_row_transaction_is_delivered_in_full_in_bounded_memory() {
         peak as f64 / 1e6
     );
     assert!(peak < 200_000_000, "relay peak RSS {peak} bytes");
-    let (status, _) = relay.sigterm();
-    assert!(status.success());
+    relay.stop_ok();
     fx.wait_slot_inactive(&pg).await;
     let confirmed = fx.confirmed_flush_lsn(&pg).await;
     assert!(

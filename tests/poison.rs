@@ -21,8 +21,8 @@ async fn recv_one(
     }
 }
 
-/// The dead-letter exchange `dlx_<test>` with the queue `dlq_<test>` bound to
-/// all of it, in the config with `extra`; returns the queue's consumer.
+/// The dead-letter exchange `dlx_<fixture>` with the queue `dlq_<fixture>`
+/// bound to all of it, in the config with `extra`; returns the queue's consumer.
 async fn dead_letters(fx: &Fixture, extra: &str) -> tokio::sync::mpsc::UnboundedReceiver<Received> {
     fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
         .await;
@@ -30,7 +30,7 @@ async fn dead_letters(fx: &Fixture, extra: &str) -> tokio::sync::mpsc::Unbounded
     fx.consume(&fx.scoped("dlq")).await
 }
 
-/// Names `dlx_<test>` the dead-letter exchange, with few, quick retries.
+/// Names `dlx_<fixture>` the dead-letter exchange, with few, quick retries.
 fn dl_config(fx: &Fixture, extra: &str) {
     fx.set_config_extra(
         &format!(

@@ -153,7 +153,7 @@ impl Fixture {
         self.slot_column(pg, "active_pid").await
     }
 
-    /// Drops the fixture's slot (it must not be active): a slot lost.
+    /// Drops the fixture's slot (it must not be active), as when it is lost.
     pub async fn drop_slot(&self, pg: &Client) {
         pg.execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
             .await

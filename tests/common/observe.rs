@@ -40,9 +40,9 @@ impl Fixture {
         (pg, relay)
     }
 
-    /// [`Fixture::streaming`], then the checkpoint row written (at most once
-    /// a second) and the relay stopped: a recovery has a window to start
-    /// from. Returns the SQL connection.
+    /// [`Fixture::streaming`], then time for the checkpoint row to be
+    /// written (at most once a second) and the relay stopped: a recovery
+    /// has a window to start from. Returns the SQL connection.
     pub async fn checkpointed(&mut self) -> Client {
         let (pg, relay) = self.streaming().await;
         tokio::time::sleep(Duration::from_millis(1500)).await;

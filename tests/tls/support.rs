@@ -440,7 +440,7 @@ pub async fn both_connections_with(
     pg_extra: String,
     env: &[(&str, &str)],
 ) -> Result<bool, ConnectErrors> {
-    cfg.write(&url, &pg_extra, "amqp://guest:guest@127.0.0.1:1/%2f", "");
+    cfg.write(&url, &pg_extra, NO_BROKER, "");
     let c = cfg.load_with(env).unwrap();
     let sql = connect_sql(&c.postgres).await;
     let repl = start_replication(&c.postgres, Lsn(0), None, 16).await;
