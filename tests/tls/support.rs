@@ -19,6 +19,14 @@ pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Runs `cmd`, which must stop as a configuration error (exit 2) naming
+/// `key`.
+pub fn refused_naming(cmd: &mut Command, key: &str) {
+    let out = cmd.output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains(key), "{}", stderr(&out));
+}
+
 /// A throwaway CA and a server certificate it signed, for `localhost` and
 /// 127.0.0.1, as ca.pem, server.pem and server.key.
 pub struct Pki {
