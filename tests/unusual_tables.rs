@@ -299,6 +299,50 @@ async fn a_partition_listed_beside_its_root_is_refused() {
     f.cleanup().await;
 }
 
+/// A publication entry with a row filter or a column list would drop, before
+/// the relay sees them, the rows or columns it leaves out: `run` refuses
+/// each, naming it and the table, and `check` fails on it; nothing streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_filter_or_column_list_is_refused() {
+    let f = Fixture::new("partialpub").await;
+    let pg = pg_connect().await;
+    let before = f.confirmed_flush_lsn(&pg).await;
+    for (what, entry) in [
+        ("a row filter", "WHERE (aggregate_type <> 'secret')"),
+        (
+            "a column list",
+            "(id, aggregate_type, aggregate_id, event_type, payload, created_at)",
+        ),
+    ] {
+        pg.batch_execute(&format!(
+            "ALTER PUBLICATION \"{}\" SET TABLE public.\"{}\" {entry}",
+            f.publication, f.table
+        ))
+        .await
+        .unwrap();
+        f.insert(&pg, "secret", "a", "e", &json!({})).await;
+        let mut relay = f.spawn_relay();
+        let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+        assert!(!status.success(), "run streamed with {what}: {log}");
+        assert!(
+            log.contains(&format!("has {what} on")) && log.contains(&f.table),
+            "{log}"
+        );
+        let out = f.relay_cmd("check").output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(!out.status.success(), "{stdout}");
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with("FAIL publication") && l.contains(what)),
+            "{stdout}"
+        );
+    }
+    let after = f.confirmed_flush_lsn(&pg).await;
+    assert_eq!(before, after, "the slot moved while the relay refused");
+    f.cleanup().await;
+}
+
 /// The pid of the walsender streaming the fixture's slot.
 async fn fx_walsender(f: &Fixture, pg: &tokio_postgres::Client) -> i32 {
     for _ in 0..100 {

@@ -160,10 +160,6 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
     };
     let inserts: bool = row.get(0);
     let via_root: bool = row.get(1);
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await?
-        .get(0);
     let mut problems = Vec::new();
     let mut lines = Vec::new();
     if !inserts {
@@ -172,15 +168,9 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
         ));
     }
     let mut any_partitioned = false;
-    for (o, t) in &tables {
-        let partitioned = publication_covers(
-            client,
-            (pg, &pub_q, &what),
-            (o, t),
-            (version, via_root),
-            (&mut problems, &mut lines),
-        )
-        .await?;
+    for (_, t) in &tables {
+        let partitioned =
+            publication_covers(client, (pg, &pub_q), t, via_root, &mut problems).await?;
         any_partitioned |= partitioned;
     }
     // Anything else it publishes would stop the relay at its first INSERT.
@@ -232,40 +222,23 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
     Ok(lines)
 }
 
-/// The publication's hold on one outbox table: covered, all mapped columns
-/// published, no row filter. Returns whether the table is partitioned.
+/// The publication's hold on one outbox table: covered, whole rows (no
+/// row filter, no column list: the rule `run` applies). Returns whether
+/// the table is partitioned.
 pub(super) async fn publication_covers(
     client: &Client,
-    (pg, pub_q, what): (&crate::config::PostgresConfig, &str, &str),
-    (o, t): (&OutboxConfig, &TableName),
-    (version, via_root): (i32, bool),
-    (problems, lines): (&mut Vec<String>, &mut Vec<Line>),
+    (pg, pub_q): (&crate::config::PostgresConfig, &str),
+    t: &TableName,
+    via_root: bool,
+    problems: &mut Vec<String>,
 ) -> Result<bool, CheckError> {
-    // PostgreSQL 15 added column lists and row filters.
-    let covered = if version >= 150_000 {
-        client
-            .query_opt(
-                "SELECT attnames::text[], rowfilter FROM pg_publication_tables \
-                 WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-                &[&pg.publication, &t.schema, &t.name],
-            )
-            .await?
-            .map(|r| {
-                (
-                    r.get::<_, Option<Vec<String>>>(0),
-                    r.get::<_, Option<String>>(1),
-                )
-            })
-    } else {
-        client
-            .query_opt(
-                "SELECT 1 FROM pg_publication_tables \
-                 WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-                &[&pg.publication, &t.schema, &t.name],
-            )
-            .await?
-            .map(|_| (None, None))
-    };
+    let covered = client
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables \
+             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+            &[&pg.publication, &t.schema, &t.name],
+        )
+        .await?;
     let table = table_columns(client, t).await?;
     let partitioned = matches!(&table, Some((kind, _)) if kind == "p");
     match (&covered, &table) {
@@ -280,39 +253,11 @@ pub(super) async fn publication_covers(
             "does not cover {t}: ALTER PUBLICATION {pub_q} ADD TABLE {}",
             t.quoted()
         )),
-        (Some((attnames, rowfilter)), table) => {
-            if let (Some(attnames), Some((_, columns))) = (attnames, table) {
-                // Mapped columns the table has but the column list leaves out.
-                let mut left_out: Vec<&str> = Vec::new();
-                for c in required_columns(o)
-                    .into_iter()
-                    .map(|(_, c)| c)
-                    .chain(template_columns(o).into_iter().map(|(_, c)| c))
-                    .chain([o.columns.headers.as_str()])
-                {
-                    if columns.iter().any(|tc| tc.name == c)
-                        && !attnames.iter().any(|a| a == c)
-                        && !left_out.contains(&c)
-                    {
-                        left_out.push(c);
-                    }
-                }
-                if !left_out.is_empty() {
-                    problems.push(format!(
-                        "its column list for {t} leaves out {}: publish all columns with \
-                         ALTER PUBLICATION {pub_q} SET TABLE {}",
-                        left_out.join(", "),
-                        t.quoted()
-                    ));
-                }
-            }
-            if let Some(filter) = rowfilter {
-                lines.push(Line::warn(
-                    what.to_owned(),
-                    format!(
-                        "has a row filter on {t} (WHERE {filter}): outbox rows it excludes are never relayed"
-                    ),
-                ));
+        (Some(_), _) => {
+            if let Some(problem) =
+                crate::source::slot::partial_rows(client, &pg.publication, t).await?
+            {
+                problems.push(problem);
             }
         }
     }

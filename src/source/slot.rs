@@ -334,7 +334,13 @@ async fn require_publication_of(
 ) -> Result<(), SourceError> {
     let pg = &cfg.postgres;
     match publication_state(client, cfg, oids.root).await? {
-        Some((true, true)) => Ok(()),
+        Some((true, true)) => match partial_rows(client, &pg.publication, table)
+            .await
+            .map_err(sql_err(pg, "reading pg_publication_rel"))?
+        {
+            Some(problem) => Err(SourceError::Setup(problem)),
+            None => Ok(()),
+        },
         None => Err(SourceError::Setup(format!(
             "publication {:?} does not exist (postgres.publication); run `outbox-relay setup`",
             pg.publication
@@ -349,6 +355,44 @@ async fn require_publication_of(
             quote_ident(&pg.publication),
         ))),
     }
+}
+
+/// A row filter drops the rows it excludes and a column list the columns
+/// it leaves out, before the relay sees them; either would lose events
+/// silently, so `run` refuses both and `check` fails on them. The problem,
+/// naming the table it is set on (the outbox's root or one of its
+/// partitions), or `None` when the publication takes whole rows.
+pub async fn partial_rows(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT pr.prrelid::regclass::text, pr.prqual IS NOT NULL, pr.prattrs IS NOT NULL \
+             FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid \
+             WHERE p.pubname = $1 AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL) \
+               AND (pr.prrelid = $2::text::regclass OR pr.prrelid IN ( \
+                 SELECT t.relid FROM pg_partition_tree($2::text::regclass) t)) \
+             ORDER BY 1",
+            &[&publication, &table.quoted()],
+        )
+        .await?;
+    Ok(rows.first().map(|row| {
+        let (rel, filter, columns): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        let what = match (filter, columns) {
+            (true, true) => "a row filter and a column list",
+            (true, false) => "a row filter",
+            _ => "a column list",
+        };
+        format!(
+            "publication {publication:?} (postgres.publication) has {what} on {rel}, part of \
+             outbox table {table}: rows or columns it leaves out would never be relayed; publish \
+             whole rows with ALTER PUBLICATION {} SET TABLE {}",
+            quote_ident(publication),
+            table.quoted(),
+        )
+    }))
 }
 
 /// What `setup` did.
