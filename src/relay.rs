@@ -37,6 +37,7 @@ use crate::sink::publisher::{self, SinkItem};
 use crate::sink::refusals::{Refusals, learn};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
+use crate::source::coverage::Coverage;
 use crate::source::longest_tx::LongestTx;
 use crate::source::resume;
 use crate::source::silence::{self, Silence, Silent};
@@ -44,7 +45,9 @@ use crate::source::{SourceError, connect_sql, slot, slot::usable_slot, start_rep
 
 pub use crate::error::RelayError;
 
+mod gate;
 mod side;
+use gate::gate;
 use side::{liveness, side_tasks};
 
 /// Items buffered between the loops; with their byte budget
@@ -250,6 +253,11 @@ async fn session(
             slot::require_publication(&sql, cfg, &oids),
         )
         .await?;
+        let coverage = bounded(
+            "reading the publication",
+            Coverage::baseline(&sql, cfg, &oids),
+        )
+        .await?;
         known.clone_from(&oids);
         let silence_limit = bounded(
             "reading wal_sender_timeout",
@@ -273,11 +281,24 @@ async fn session(
         // Last, so that a broker that is down costs no walsender. (Its
         // connect has a deadline; an AMQP heartbeat interval above a few
         // seconds outlasts it.)
-        let repl =
-            start_replication(&cfg.postgres, start, Some(&server), REPLICATION_BUFFER).await?;
-        Ok::<_, RelayError>((sql, start, server, oids, silence_limit, sink, repl))
+        let repl = start_replication(
+            &cfg.postgres,
+            start,
+            Some(&server),
+            (REPLICATION_BUFFER, silence_limit),
+        )
+        .await?;
+        Ok::<_, RelayError>((
+            sql,
+            start,
+            server,
+            (oids, coverage),
+            silence_limit,
+            sink,
+            repl,
+        ))
     };
-    let (sql, start, server, oids, silence_limit, mut sink, mut repl) = tokio::select! {
+    let (sql, start, server, (oids, coverage), silence_limit, mut sink, mut repl) = tokio::select! {
         biased;
         _ = shutdown.cancelled() => {
             info!("stopped while connecting");
@@ -292,10 +313,13 @@ async fn session(
     let stop = shutdown.child_token();
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_CAPACITY);
     let budget = ByteBudget::default();
-    let (wm_tx, mut wm_rx) = watch::channel(Progress {
+    let (wm_tx, wm_rx) = watch::channel(Progress {
         lsn: start,
         commit_time_us: None,
     });
+    // What is reported: the watermark, held back to what the outbox
+    // tables' coverage vouches for.
+    let (reported_tx, mut reported) = watch::channel(*wm_rx.borrow());
     let mut decoder = OutboxDecoder::new(&cfg.outboxes, oids);
     let dead_letters = cfg.dead_letters();
 
@@ -308,10 +332,17 @@ async fn session(
         (probe.clone(), alive.clone()),
         stop.clone(),
     ));
+    let gated = tokio::spawn(gate(
+        cfg.clone(),
+        sql.clone(),
+        coverage,
+        (wm_rx, reported_tx),
+        stop.clone(),
+    ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
         (sql, longest.clone(), server.system_id.clone()),
-        wm_rx.clone(),
+        reported.clone(),
         metrics.clone(),
         stop.clone(),
     ));
@@ -320,7 +351,7 @@ async fn session(
         &mut repl,
         &mut decoder,
         (items_tx, &budget),
-        &mut wm_rx,
+        &mut reported,
         (Silence::new(silence_limit), &probe, &alive),
         &stop,
         metrics,
@@ -347,7 +378,10 @@ async fn session(
         nodes.failed(sink.node());
     }
 
-    let confirmed = wm_rx.borrow().lsn;
+    // The gate's last word: the position it vouches for, or why none.
+    stop.cancel();
+    let gate_res = gated.await.unwrap_or(Ok(()));
+    let confirmed = reported.borrow().lsn;
     *progressed = confirmed > start;
     *last = Some(resume::Confirmed {
         system_id: server.system_id,
@@ -369,7 +403,10 @@ async fn session(
     let _ = side.await;
     let _ = watch_liveness.await;
 
-    let res = sink_res.and(source_res);
+    let res = gate_res
+        .map_err(RelayError::from)
+        .and(sink_res)
+        .and(source_res);
     match res {
         // A transient failure while shutting down ends the drain early; the
         // position reported is still only what was confirmed.

@@ -351,19 +351,7 @@ async fn a_stalled_walsender_is_noticed() {
     let _turn = SERIAL.lock().await;
     let mut fx = Fixture::new("pgstall").await;
     let pg = pg_connect().await;
-    let role = fx.scoped("stall");
-    pg.batch_execute(&format!(
-        "CREATE ROLE {role} LOGIN SUPERUSER REPLICATION PASSWORD 'stall-pw'; \
-         ALTER ROLE {role} SET wal_sender_timeout = '4s'"
-    ))
-    .await
-    .unwrap();
-    let text = std::fs::read_to_string(&fx.config).unwrap();
-    let url = pg_url();
-    let (_, after_scheme) = url.split_once("://").unwrap();
-    let (_, host) = after_scheme.split_once('@').unwrap();
-    let stall_url = format!("postgres://{role}:stall-pw@{host}");
-    std::fs::write(&fx.config, text.replace(&url, &stall_url)).unwrap();
+    let role = relay_role_with_timeout(&fx, &pg, "stall", "4s").await;
 
     fx.start_consumer().await;
     let relay = fx.spawn_relay();
@@ -421,6 +409,118 @@ async fn a_stalled_walsender_is_noticed() {
     relay.stop_ok();
     fx.cleanup().await;
     pg.batch_execute(&format!("DROP ROLE {role}"))
+        .await
+        .unwrap();
+}
+
+/// A role for the relay whose sessions have `wal_sender_timeout` =
+/// `timeout`; the fixture's config now connects as it. Returns its name.
+async fn relay_role_with_timeout(
+    fx: &Fixture,
+    pg: &tokio_postgres::Client,
+    name: &str,
+    timeout: &str,
+) -> String {
+    let role = fx.scoped(name);
+    pg.batch_execute(&format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER REPLICATION PASSWORD '{name}-pw'; \
+         ALTER ROLE {role} SET wal_sender_timeout = '{timeout}'"
+    ))
+    .await
+    .unwrap();
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let url = pg_url();
+    let (_, after_scheme) = url.split_once("://").unwrap();
+    let (_, host) = after_scheme.split_once('@').unwrap();
+    let role_url = format!("postgres://{role}:{name}-pw@{host}");
+    std::fs::write(&fx.config, text.replace(&url, &role_url)).unwrap();
+    role
+}
+
+/// Rows of the bulk transaction in
+/// [`a_busy_walsender_is_not_taken_for_a_dead_one`]: enough that replaying
+/// them takes PostgreSQL longer than `wal_sender_timeout` (25 s) here.
+const BULK_ROWS: i64 = 12_000_000;
+
+/// While PostgreSQL replays, at its commit, a large transaction whose
+/// changes are all on a table the publication does not cover, nothing
+/// reaches the relay and `sent_lsn` stands still; the walsender reads the
+/// relay's status updates only every half `wal_sender_timeout`, and pings
+/// only if none of them asked for a reply. The relay asks when the stream
+/// goes quiet, so the walsender answers: the session lives through the
+/// replay (one walsender, the log never says the stream was silent), and
+/// the outbox row at the end of the transaction and the one after it
+/// arrive. With 25 s, the old silence handling (a status every 10 s that
+/// asked for nothing) ended every session before the replay did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::new("pgbusy").await;
+    let pg = pg_connect().await;
+    let role = relay_role_with_timeout(&fx, &pg, "busy", "25s").await;
+    let bulk = fx.scoped("bulk");
+    pg.batch_execute(&format!("CREATE TABLE {bulk} (i int)"))
+        .await
+        .unwrap();
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay();
+    let first = fx
+        .insert(&pg, "order", "o-1", "placed", &serde_json::json!({}))
+        .await;
+    fx.expect_delivered(&[first], &relay).await;
+    let walsender = fx.slot_active_pid(&pg).await.expect("the relay streams");
+
+    // One transaction: the bulk rows, then one outbox row.
+    pg.batch_execute(&format!(
+        "BEGIN; INSERT INTO {bulk} SELECT generate_series(1, {BULK_ROWS})"
+    ))
+    .await
+    .unwrap();
+    let at_end = fx
+        .insert(&pg, "order", "o-2", "after-bulk", &serde_json::json!({}))
+        .await;
+    pg.batch_execute("COMMIT").await.unwrap();
+    let committed = Instant::now();
+    let after = fx
+        .insert(&pg, "order", "o-3", "next", &serde_json::json!({}))
+        .await;
+    let got = fx
+        .collect_until(
+            &[at_end.clone(), after],
+            Duration::from_secs(300),
+            Duration::ZERO,
+            Some(&relay),
+        )
+        .await;
+    let replay = committed.elapsed();
+    println!(
+        "{BULK_ROWS} rows on another table replayed in {:.1}s (wal_sender_timeout 25s)",
+        replay.as_secs_f64()
+    );
+    let log = relay.log_text();
+    assert!(
+        !log.contains("silent for"),
+        "the busy walsender was taken for a dead one:\n{}",
+        relay.log_tail()
+    );
+    assert_eq!(
+        fx.slot_active_pid(&pg).await,
+        Some(walsender),
+        "the session did not live through the replay:\n{}",
+        relay.log_tail()
+    );
+    assert!(
+        got.iter().any(|r| r.message_id() == at_end),
+        "the outbox row at the end of the bulk transaction"
+    );
+    // Otherwise this test proved nothing: raise BULK_ROWS.
+    assert!(
+        replay > Duration::from_secs(25),
+        "the replay took {replay:?}, less than wal_sender_timeout: too short to test anything"
+    );
+    relay.stop_ok();
+    fx.cleanup().await;
+    pg.batch_execute(&format!("DROP TABLE {bulk}; DROP ROLE {role}"))
         .await
         .unwrap();
 }

@@ -2,6 +2,7 @@
 //! replication stream.
 
 pub mod checkpoint_table;
+pub mod coverage;
 pub mod longest_tx;
 pub mod resume;
 pub mod silence;
@@ -213,7 +214,7 @@ pub async fn start_replication(
     cfg: &PostgresConfig,
     start: Lsn,
     server: Option<&resume::Server>,
-    buffer_events: usize,
+    (buffer_events, silence_limit): (usize, Duration),
 ) -> Result<ReplicationClient, SourceError> {
     // When every server fails, a refusal for good (credentials, TLS, no
     // slot) is what the operator must see; it only ends the attempt when
@@ -221,7 +222,8 @@ pub async fn start_replication(
     // between servers).
     let mut failed: Option<SourceError> = None;
     for target in &cfg.targets {
-        match open_replication(cfg, target, start, server, buffer_events).await {
+        let opened = open_replication(cfg, target, start, server, (buffer_events, silence_limit));
+        match opened.await {
             Ok(client) => return Ok(client),
             Err(e) => {
                 if cfg.targets.len() > 1 {
@@ -241,7 +243,7 @@ async fn open_replication(
     target: &PgTarget,
     start: Lsn,
     server: Option<&resume::Server>,
-    buffer_events: usize,
+    (buffer_events, silence_limit): (usize, Duration),
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
     let pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
@@ -281,7 +283,7 @@ async fn open_replication(
         .with_start_lsn(start.into())
         .with_ack_lsn(start.into())
         .with_status_interval(cfg.status_interval)
-        .with_wakeup_interval(Duration::from_secs(10))
+        .with_wakeup_interval(silence::ask_every(silence_limit))
         .with_buffer_size(buffer_events)
         .with_application_name("outbox-relay");
     // `connect` only spawns the worker: wait until the server accepted

@@ -5,7 +5,8 @@
 //! A quiet database may legitimately send nothing for a long time (the
 //! relay reports its position every second, so the walsender need not ask
 //! for one), and so may a busy walsender reading WAL that has nothing for
-//! the relay. So the side of the session that holds the SQL connection
+//! the relay. So the stream asks for a reply when quiet ([`ask_every`]),
+//! the side of the session that holds the SQL connection
 //! watches the walsender's `sent_lsn` (moving: alive), and silence is
 //! answered with a probe: a non-transactional `pg_logical_emit_message`,
 //! which a live walsender decodes and sends at once. Silence for half of
@@ -51,6 +52,19 @@ pub const SENT_LSN_SQL: &str = "SELECT r.sent_lsn::text FROM pg_replication_slot
 /// How often `sent_lsn` is read: a quarter of the limit, within 1 to 5 s.
 pub fn progress_every(limit: Duration) -> Duration {
     (limit / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
+}
+
+/// How long the replication stream may be quiet before the relay asks the
+/// walsender for a reply (a standby status update with `reply_requested`):
+/// a quarter of the limit, within 0.5 to 10 s. A walsender replaying a
+/// large transaction that has nothing for the relay (another table's bulk
+/// `UPDATE`, a `COPY`) reads the relay's updates only every half
+/// `wal_sender_timeout`, and then pings only if none asked for a reply was
+/// waiting; `sent_lsn` stands still meanwhile. So the relay asks: the
+/// answer comes at the walsender's next read, at most three quarters of
+/// the limit after the stream went quiet.
+pub fn ask_every(limit: Duration) -> Duration {
+    (limit / 4).clamp(Duration::from_millis(500), Duration::from_secs(10))
 }
 
 /// What to do when [`Silence::deadline`] passes.

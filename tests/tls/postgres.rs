@@ -134,9 +134,14 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
     let c = cfg.load();
     assert_eq!(c.postgres.sslmode, outbox_relay::tls::SslMode::Prefer);
     let sql = connect_sql(&c.postgres).await.unwrap();
-    let repl = start_replication(&c.postgres, Lsn(0), None, 16)
-        .await
-        .unwrap();
+    let repl = start_replication(
+        &c.postgres,
+        Lsn(0),
+        None,
+        (16, std::time::Duration::from_secs(60)),
+    )
+    .await
+    .unwrap();
     assert!(!walsender_ssl(&pg, "prefer").await);
     assert_eq!(relay_backends(&pg).await, (2, false));
     drop(repl);
@@ -154,7 +159,14 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
         ("SQL", connect_sql(&c.postgres).await.err()),
         (
             "replication",
-            start_replication(&c.postgres, Lsn(0), None, 16).await.err(),
+            start_replication(
+                &c.postgres,
+                Lsn(0),
+                None,
+                (16, std::time::Duration::from_secs(60)),
+            )
+            .await
+            .err(),
         ),
     ] {
         let e = e.unwrap_or_else(|| panic!("{what} connection succeeded"));

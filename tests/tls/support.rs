@@ -451,7 +451,13 @@ pub async fn both_connections_with(
     cfg.write(&url, &pg_extra, NO_BROKER, "");
     let c = cfg.load_with(env).unwrap();
     let sql = connect_sql(&c.postgres).await;
-    let repl = start_replication(&c.postgres, Lsn(0), None, 16).await;
+    let repl = start_replication(
+        &c.postgres,
+        Lsn(0),
+        None,
+        (16, std::time::Duration::from_secs(60)),
+    )
+    .await;
     let result = match (&sql, &repl) {
         (Ok(_), Ok(_)) => {
             let ssl = walsender_ssl(pg, &pg_extra).await;

@@ -390,7 +390,7 @@ pub struct ReplicationConfig {
     ///
     /// Silence is normal during logical replication. When this interval elapses
     /// with no incoming messages, the client will send a standby status update
-    /// (feedback) and continue waiting.
+    /// (feedback) asking the server for a reply, and continue waiting.
     ///
     /// A raised applied LSN does not wait for this wakeup: it is sent within
     /// `status_interval` of `update_applied_lsn`.

@@ -469,9 +469,16 @@ impl WorkerState {
                     match msg_result {
                         Ok(res) => res?,
                         Err(_) => {
+                            // Silence: ask for a reply, as PostgreSQL's own
+                            // apply worker does. A walsender replaying a large
+                            // transaction with nothing to send reads replies
+                            // only when it has not heard from us for half its
+                            // timeout, and pings only then if none was waiting;
+                            // our periodic updates keep it from pinging, so
+                            // without the request it would never say anything.
                             let applied = self.progress.load_applied();
                             last_applied = applied;
-                            self.send_feedback(stream, applied, false).await?;
+                            self.send_feedback(stream, applied, true).await?;
                             last_status_sent = Instant::now();
                             continue;
                         }
@@ -1936,6 +1943,31 @@ mod tests {
         // would let wal_sender_timeout disconnect, and not one per interval.
         assert!((6..=8).contains(&statuses), "{statuses} statuses in 65 s");
         assert!(!r.task.is_finished());
+        r.task.abort();
+    }
+
+    /// Silence asks the server for a reply: a walsender busy replaying a
+    /// transaction with nothing to send answers only a request.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_wakeup_asks_for_a_reply() {
+        let progress = Arc::new(SharedProgress::new(Lsn(10)));
+        let mut r = run_stream(&progress, 64 * 1024);
+        assert_eq!(
+            r.server.status().await,
+            Status {
+                applied: 10,
+                reply: false
+            }
+        );
+        let t = Instant::now();
+        assert_eq!(
+            r.server.status().await,
+            Status {
+                applied: 10,
+                reply: true
+            }
+        );
+        assert!(t.elapsed() >= 9 * SECOND, "took {:?}", t.elapsed());
         r.task.abort();
     }
 
