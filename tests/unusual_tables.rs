@@ -144,6 +144,73 @@ async fn a_rename_while_streaming_loses_no_row() {
     f.cleanup().await;
 }
 
+/// The outbox dropped and created again (from `sql/outbox.sql`) while
+/// streaming: the publication no longer holds it, so its rows are never
+/// decoded. The relay stops, naming `republish --since`, and the slot
+/// never passes the new table's rows, though WAL (and keepalives) go on.
+/// The next start refuses until the publication holds the table again;
+/// then the printed `republish` sends the rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_and_recreated_outbox_stops_the_relay() {
+    let mut f = Fixture::new("recreated").await;
+    let (pg, mut relay) = f.streaming().await;
+    let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
+        .unwrap()
+        .replace("CREATE TABLE outbox", &format!("CREATE TABLE {}", f.table));
+    pg.batch_execute(&format!("DROP TABLE {}; {ddl}", f.table))
+        .await
+        .unwrap();
+    let recreated = wal_insert_lsn(&pg).await;
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        ids.push(
+            f.insert(&pg, "order", &format!("o-{i}"), "placed", &json!({}))
+                .await,
+        );
+    }
+    // WAL goes on (keepalives would carry the slot past the rows).
+    let other = f.scoped("other");
+    pg.batch_execute(&format!(
+        "CREATE TABLE {other} (i int); INSERT INTO {other} SELECT generate_series(1, 10000)"
+    ))
+    .await
+    .unwrap();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("was dropped") && log.contains("republish --since"),
+        "{log}"
+    );
+    let confirmed = f.confirmed_flush_lsn(&pg).await;
+    assert!(
+        confirmed <= recreated,
+        "the slot moved past the new table's rows: {confirmed} > {recreated}"
+    );
+    let since = log
+        .split("republish --since ")
+        .nth(1)
+        .and_then(|s| s.split(['`', ' ', '\n']).next())
+        .expect("a time to republish from")
+        .to_owned();
+
+    // The next start refuses while the publication does not hold it.
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("republish --since"), "{log}");
+
+    // The remedy: setup adds the table, republish sends its rows.
+    f.relay_ok("setup", &[]);
+    let relay = f.spawn_relay();
+    f.relay_ok("republish", &["--since", &since]);
+    f.expect_delivered(&ids, &relay).await;
+    relay.stop_ok();
+    pg.batch_execute(&format!("DROP TABLE {other}"))
+        .await
+        .unwrap();
+    f.cleanup().await;
+}
+
 /// The publication also publishes another table: an INSERT into it stops
 /// the relay with an error naming the table, before the outbox row behind
 /// it is confirmed, and the slot does not move past it.

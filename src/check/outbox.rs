@@ -254,11 +254,17 @@ pub(super) async fn publication_covers(
             t.quoted()
         )),
         (Some(_), _) => {
-            if let Some(problem) =
-                crate::source::slot::partial_rows(client, &pg.publication, t).await?
-            {
-                problems.push(problem);
-            }
+            let root: Option<u32> = client
+                .query_one("SELECT to_regclass($1)::oid", &[&t.quoted()])
+                .await?
+                .get(0);
+            let partial = match root {
+                Some(root) => {
+                    crate::source::slot::partial_rows(client, &pg.publication, (t, root)).await?
+                }
+                None => None,
+            };
+            problems.extend(partial);
         }
     }
     Ok(partitioned)

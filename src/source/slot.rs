@@ -334,7 +334,7 @@ async fn require_publication_of(
 ) -> Result<(), SourceError> {
     let pg = &cfg.postgres;
     match publication_state(client, cfg, oids.root).await? {
-        Some((true, true)) => match partial_rows(client, &pg.publication, table)
+        Some((true, true)) => match partial_rows(client, &pg.publication, (table, oids.root))
             .await
             .map_err(sql_err(pg, "reading pg_publication_rel"))?
         {
@@ -347,8 +347,10 @@ async fn require_publication_of(
         ))),
         Some(_) => Err(SourceError::Setup(format!(
             "publication {:?} does not publish inserts into {table} (was the table dropped and \
-             created again?); run: ALTER PUBLICATION {} ADD TABLE {}; ALTER PUBLICATION {} SET \
-             (publish = 'insert'), then `outbox-relay recover` if rows were written meanwhile",
+             created again?); run `outbox-relay setup` (or: ALTER PUBLICATION {} ADD TABLE {}; \
+             ALTER PUBLICATION {} SET (publish = 'insert')), then send the rows written while it \
+             did not with `outbox-relay republish --since <time>` (the stream never carried \
+             them)",
             pg.publication,
             quote_ident(&pg.publication),
             table.quoted(),
@@ -365,17 +367,17 @@ async fn require_publication_of(
 pub async fn partial_rows(
     client: &Client,
     publication: &str,
-    table: &TableName,
+    (table, root): (&TableName, u32),
 ) -> Result<Option<String>, tokio_postgres::Error> {
     let rows = client
         .query(
             "SELECT pr.prrelid::regclass::text, pr.prqual IS NOT NULL, pr.prattrs IS NOT NULL \
              FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid \
              WHERE p.pubname = $1 AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL) \
-               AND (pr.prrelid = $2::text::regclass OR pr.prrelid IN ( \
-                 SELECT t.relid FROM pg_partition_tree($2::text::regclass) t)) \
+               AND (pr.prrelid = $2 OR pr.prrelid IN ( \
+                 SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t)) \
              ORDER BY 1",
-            &[&publication, &table.quoted()],
+            &[&publication, &root],
         )
         .await?;
     Ok(rows.first().map(|row| {
