@@ -437,19 +437,31 @@ async fn relay_role_with_timeout(
     role
 }
 
+/// How far walsender `pid` has read WAL.
+async fn sent_lsn(pg: &tokio_postgres::Client, pid: i32) -> Option<String> {
+    pg.query_one(
+        "SELECT sent_lsn::text FROM pg_stat_replication WHERE pid = $1",
+        &[&pid],
+    )
+    .await
+    .ok()
+    .and_then(|r| r.get(0))
+}
+
 /// Rows of the bulk transaction in
 /// [`a_busy_walsender_is_not_taken_for_a_dead_one`]: enough that replaying
-/// them takes PostgreSQL longer than `wal_sender_timeout` (25 s) here.
-const BULK_ROWS: i64 = 12_000_000;
+/// them takes PostgreSQL longer than `wal_sender_timeout` (25 s): about
+/// 2.5 s a million here.
+const BULK_ROWS: i64 = 20_000_000;
 
 /// While PostgreSQL replays, at its commit, a large transaction whose
 /// changes are all on a table the publication does not cover, nothing
 /// reaches the relay and `sent_lsn` stands still; the walsender reads the
 /// relay's status updates only every half `wal_sender_timeout`, and pings
-/// only if none of them asked for a reply. The relay asks when the stream
-/// goes quiet, so the walsender answers: the session lives through the
-/// replay (one walsender, the log never says the stream was silent), and
-/// the outbox row at the end of the transaction and the one after it
+/// only if none of them was waiting. The relay asks for a reply when the
+/// stream goes quiet, so the walsender answers: the session lives through
+/// the replay (one walsender, the log never says the stream was silent),
+/// and the outbox row at the end of the transaction and the one after it
 /// arrive. With 25 s, the old silence handling (a status every 10 s that
 /// asked for nothing) ended every session before the replay did.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -470,7 +482,9 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
     fx.expect_delivered(&[first], &relay).await;
     let walsender = fx.slot_active_pid(&pg).await.expect("the relay streams");
 
-    // One transaction: the bulk rows, then one outbox row.
+    // One transaction: the bulk rows, then one outbox row. It commits once
+    // the walsender has read (and spilled) all of it, so that what follows
+    // is the replay alone.
     pg.batch_execute(&format!(
         "BEGIN; INSERT INTO {bulk} SELECT generate_series(1, {BULK_ROWS})"
     ))
@@ -479,8 +493,33 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
     let at_end = fx
         .insert(&pg, "order", "o-2", "after-bulk", &serde_json::json!({}))
         .await;
+    let watch = pg_connect().await;
+    let written = wal_insert_lsn(&watch).await;
+    while sent_lsn(&watch, walsender)
+        .await
+        .and_then(|l| l.parse::<Lsn>().ok())
+        < Some(written)
+    {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     pg.batch_execute("COMMIT").await.unwrap();
-    let committed = Instant::now();
+    // How long sent_lsn stands still: the replay.
+    let done = tokio_util::sync::CancellationToken::new();
+    let still = tokio::spawn({
+        let done = done.clone();
+        async move {
+            let (mut last, mut since, mut longest) = (None, Instant::now(), Duration::ZERO);
+            while !done.is_cancelled() {
+                let now = sent_lsn(&watch, walsender).await;
+                if now != last {
+                    (last, since) = (now, Instant::now());
+                }
+                longest = longest.max(since.elapsed());
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            longest
+        }
+    });
     let after = fx
         .insert(&pg, "order", "o-3", "next", &serde_json::json!({}))
         .await;
@@ -492,9 +531,10 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
             Some(&relay),
         )
         .await;
-    let replay = committed.elapsed();
+    done.cancel();
+    let replay = still.await.unwrap();
     println!(
-        "{BULK_ROWS} rows on another table replayed in {:.1}s (wal_sender_timeout 25s)",
+        "{BULK_ROWS} rows on another table: sent_lsn stood still for {:.1}s (wal_sender_timeout 25s)",
         replay.as_secs_f64()
     );
     let log = relay.log_text();
@@ -516,7 +556,8 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
     // Otherwise this test proved nothing: raise BULK_ROWS.
     assert!(
         replay > Duration::from_secs(25),
-        "the replay took {replay:?}, less than wal_sender_timeout: too short to test anything"
+        "sent_lsn stood still for {replay:?} only, less than wal_sender_timeout: too short to test \
+         anything"
     );
     relay.stop_ok();
     fx.cleanup().await;
