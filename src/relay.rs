@@ -66,7 +66,7 @@ const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
 /// How often "waiting for the slot" is logged.
 const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
 /// The checkpoint table is written at most this often.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
 /// Deadline of each SQL call beside the stream.
 const SQL_DEADLINE: Duration = Duration::from_secs(10);
 /// Retained WAL is polled this often for the metric.

@@ -29,6 +29,18 @@ const MIN_FAULTS: usize = 6;
 const HARD_STOP: Duration = Duration::from_secs(80);
 const PRODUCERS: usize = 3;
 
+/// A knob of the load, from the environment, for measuring (say, the
+/// duplicates per `kill -9` at a given rate): `CHAOS_PRODUCERS`,
+/// `CHAOS_PAUSE_MS` (between a producer's transactions),
+/// `CHAOS_EVENTS_PER_TX` (at most).
+fn knob(name: &str, default: u64) -> u64 {
+    std::env::var(name).map_or(default, |v| {
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} must be an unsigned integer"))
+    })
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Fault {
     KillRelay,
@@ -71,12 +83,12 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
     let mut relay = fx.spawn_relay();
     let mut relays_started = 1;
 
-    let specs: Vec<ProducerSpec> = (0..PRODUCERS)
+    let specs: Vec<ProducerSpec> = (0..knob("CHAOS_PRODUCERS", PRODUCERS as u64))
         .map(|p| ProducerSpec {
             aggregates: 3,
-            max_events_per_tx: 4,
+            max_events_per_tx: knob("CHAOS_EVENTS_PER_TX", 4) as _,
             rollback_one_in: 5,
-            pause: Duration::from_millis(30),
+            pause: Duration::from_millis(knob("CHAOS_PAUSE_MS", 30)),
             ..ProducerSpec::new(&format!("p{p}"), rng.next_u64())
         })
         .collect();
@@ -235,6 +247,15 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
         subscriptions.load(Ordering::SeqCst),
         started.elapsed().as_secs_f64()
     );
+    let kills = count.get(&Fault::KillRelay).copied().unwrap_or(0);
+    if kills > 0 {
+        let rate = sum(|r| r.committed.len()) as f64 / chaos_secs;
+        println!(
+            "chaos: {rate:.0} events/s; {:.0} duplicates per kill -9 ({:.2} s of traffic)",
+            duplicates as f64 / kills as f64,
+            duplicates as f64 / kills as f64 / rate
+        );
+    }
     relay.stop_ok();
     fx.cleanup().await;
 }

@@ -126,8 +126,11 @@ pub(super) fn default_slot() -> String {
 pub(super) fn default_publication() -> String {
     "outbox_pub".into()
 }
+/// The confirmed position goes to PostgreSQL this soon after it moves
+/// (coalesced, at once when the last report is older): a `kill -9`
+/// replays about this much traffic.
 pub(super) fn default_status_interval_ms() -> u64 {
-    1000
+    100
 }
 pub(super) fn default_routing_key() -> String {
     "{aggregate_type}.{event_type}".into()

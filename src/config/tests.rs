@@ -40,7 +40,7 @@ fn minimal_file_gets_defaults() {
     assert_eq!(o.columns.payload, "payload");
     assert_eq!(c.rabbitmq.window, 1024);
     assert_eq!(c.rabbitmq.confirm_timeout, Duration::from_secs(30));
-    assert_eq!(c.postgres.status_interval, Duration::from_secs(1));
+    assert_eq!(c.postgres.status_interval, Duration::from_millis(100));
 }
 
 #[test]

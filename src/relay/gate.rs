@@ -8,7 +8,7 @@ use crate::source::coverage::{Coverage, Uncertain};
 /// How often the coverage is read while the watermark waits on it. Each
 /// reading vouches for all WAL written before it, so a busy stream waits
 /// at most this long (plus a round trip) for its position to be reported.
-const COVERAGE_EVERY: Duration = Duration::from_millis(100);
+const COVERAGE_EVERY: Duration = Duration::from_millis(50);
 /// The last reading, when the session ends.
 const FINAL_DEADLINE: Duration = Duration::from_secs(2);
 

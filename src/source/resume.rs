@@ -7,7 +7,7 @@
 //! - the slot's `confirmed_flush_lsn`: what the relay last reported. After
 //!   a PostgreSQL restart it can be far older: PostgreSQL 15 does not write
 //!   a slot to disk when only its confirmed position moved;
-//! - the checkpoint table: written (WAL-logged) every second after broker
+//! - the checkpoint table: written (WAL-logged) every 200 ms after broker
 //!   confirms. It survives a server restart and a failover to a physical
 //!   standby (which has the table, not the slot);
 //! - this process's own last confirmed position: exact after a walsender
