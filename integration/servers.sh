@@ -2,7 +2,8 @@
 # Throwaway PostgreSQL + RabbitMQ servers for the integration tests and the demo.
 #
 #   servers.sh install              apt-get install postgresql/rabbitmq-server (and
-#                                   prometheus, for promtool: tests/deploy.rs) if missing
+#                                   prometheus, for promtool, and python3-yaml:
+#                                   tests/deploy.rs) if missing
 #   servers.sh up DIR               start both servers under DIR, write DIR/env
 #   servers.sh down DIR             stop both servers, delete DIR
 #   servers.sh with CMD [ARGS...]   install + up + run CMD with DIR/env loaded + down
@@ -86,6 +87,8 @@ cmd_install() {
     have_pg || pkgs+=(postgresql)
     have_rabbitmq || pkgs+=(rabbitmq-server)
     command -v python3 >/dev/null || pkgs+=(python3)
+    # tests/deploy.rs reads the Kubernetes manifest with PyYAML.
+    python3 -c 'import yaml' 2>/dev/null || pkgs+=(python3-yaml)
     # tests/package.rs: building (objdump) and checking (systemd-analyze)
     # the Debian package.
     command -v objdump >/dev/null || pkgs+=(binutils)
