@@ -189,14 +189,17 @@ log_line_prefix = '%m [%p] %q%u@%d/%a '
 log_replication_commands = on
 EOF
 
-    # Passwords over TCP (as the relay connects in production), for both
-    # normal and replication connections; trust on the private socket.
+    # Passwords over TCP (as the relay connects in production); trust on
+    # the private socket. The relay's logical replication connections are
+    # admitted by the database line, as sql/role.sql advises; physical
+    # replication (pg_basebackup) over TCP only for the superuser, so that
+    # tests can show the relay's own role refused it.
     cat >"$dir/pg/pg_hba.conf" <<'EOF'
-# TYPE  DATABASE     USER  ADDRESS       METHOD
-local   all          all                 trust
-local   replication  all                 trust
-host    all          all   127.0.0.1/32  scram-sha-256
-host    replication  all   127.0.0.1/32  scram-sha-256
+# TYPE  DATABASE     USER      ADDRESS       METHOD
+local   all          all                     trust
+local   replication  all                     trust
+host    all          all       127.0.0.1/32  scram-sha-256
+host    replication  postgres  127.0.0.1/32  scram-sha-256
 EOF
 }
 
