@@ -37,9 +37,14 @@ demo: ## Relay a few outbox events end to end and print the messages
 bench: ## Benchmarks vs broker ceiling and polling -> target/bench/report.md (BENCH_EVENTS, BENCH_SECONDS)
 	bench/run.sh
 
-deb: ## Release build + Debian package -> target/deb/outbox-relay_<version>_<arch>.deb
+# Where cargo puts what it builds: CARGO_TARGET_DIR or build.target-dir
+# when set (common in CI), else target/. Asked of cargo, which knows both;
+# expanded only by the targets that use it.
+TARGET_DIR = $(shell cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+
+deb: ## Release build + Debian package -> <target dir>/deb/outbox-relay_<version>_<arch>.deb
 	cargo build --release --locked
-	deploy/deb/build.sh target/release/outbox-relay
+	DEB_OUT="$${DEB_OUT:-$(TARGET_DIR)/deb}" deploy/deb/build.sh "$(TARGET_DIR)/release/outbox-relay"
 
 lint: ## rustfmt check + clippy with warnings as errors
 	cargo fmt --check

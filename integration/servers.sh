@@ -2,7 +2,8 @@
 # Throwaway PostgreSQL + RabbitMQ servers for the integration tests and the demo.
 #
 #   servers.sh install              apt-get install postgresql/rabbitmq-server (and
-#                                   prometheus, for promtool: tests/deploy.rs) if missing
+#                                   prometheus, for promtool, and python3-yaml:
+#                                   tests/deploy.rs) if missing
 #   servers.sh up DIR               start both servers under DIR, write DIR/env
 #   servers.sh down DIR             stop both servers, delete DIR
 #   servers.sh with CMD [ARGS...]   install + up + run CMD with DIR/env loaded + down
@@ -86,6 +87,8 @@ cmd_install() {
     have_pg || pkgs+=(postgresql)
     have_rabbitmq || pkgs+=(rabbitmq-server)
     command -v python3 >/dev/null || pkgs+=(python3)
+    # tests/deploy.rs reads the Kubernetes manifest with PyYAML.
+    python3 -c 'import yaml' 2>/dev/null || pkgs+=(python3-yaml)
     # tests/package.rs: building (objdump) and checking (systemd-analyze)
     # the Debian package.
     command -v objdump >/dev/null || pkgs+=(binutils)
@@ -186,14 +189,17 @@ log_line_prefix = '%m [%p] %q%u@%d/%a '
 log_replication_commands = on
 EOF
 
-    # Passwords over TCP (as the relay connects in production), for both
-    # normal and replication connections; trust on the private socket.
+    # Passwords over TCP (as the relay connects in production); trust on
+    # the private socket. The relay's logical replication connections are
+    # admitted by the database line, as sql/role.sql advises; physical
+    # replication (pg_basebackup) over TCP only for the superuser, so that
+    # tests can show the relay's own role refused it.
     cat >"$dir/pg/pg_hba.conf" <<'EOF'
-# TYPE  DATABASE     USER  ADDRESS       METHOD
-local   all          all                 trust
-local   replication  all                 trust
-host    all          all   127.0.0.1/32  scram-sha-256
-host    replication  all   127.0.0.1/32  scram-sha-256
+# TYPE  DATABASE     USER      ADDRESS       METHOD
+local   all          all                     trust
+local   replication  all                     trust
+host    all          all       127.0.0.1/32  scram-sha-256
+host    replication  postgres  127.0.0.1/32  scram-sha-256
 EOF
 }
 

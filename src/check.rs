@@ -13,7 +13,8 @@
 //!    checks are skipped, in one line saying so);
 //! 2. `wal_level = logical`;
 //! 3. a free replication slot (unless ours exists) and a free WAL sender;
-//! 4. the role may replicate;
+//! 4. the role may replicate (a warning when it is a superuser); the
+//!    checkpoint table's owner is trusted and it has no triggers;
 //! 5. the publication exists, covers the outbox table, publishes inserts;
 //! 6. the outbox table has every mapped column, each of a supported type;
 //! 7. the replication slot exists, uses pgoutput, is not lost; active or not;
@@ -49,7 +50,8 @@ mod postgres;
 use broker::{broker_connect, exchanges};
 use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
-    pg_error_text, postgres_connect, replication_slot, role, slots_and_senders, wal_level,
+    checkpoint_table, pg_error_text, postgres_connect, replication_slot, role, slots_and_senders,
+    wal_level,
 };
 
 /// Deadline of each check (connecting included).
@@ -198,6 +200,13 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
             push(guarded("replication role", role(&client)).await);
             push(
                 guarded(
+                    &format!("checkpoint table {}", pg.checkpoint_table),
+                    checkpoint_table(&client, cfg),
+                )
+                .await,
+            );
+            push(
+                guarded(
                     &format!("publication {:?}", pg.publication),
                     publication(&client, cfg),
                 )
@@ -225,7 +234,8 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
         None => push(vec![Line::warn(
             "PostgreSQL checks skipped",
             "wal_level, replication slots and WAL senders, replication role, publication, \
-             outbox table and replication slot were not checked because PostgreSQL is not reachable",
+             checkpoint table, outbox table and replication slot were not checked because \
+             PostgreSQL is not reachable",
         )]),
     }
 

@@ -3,7 +3,11 @@
 //!
 //! Served with hyper directly so that slow or many clients are bounded: a
 //! timeout on request headers, a lifetime per connection and a cap on
-//! connections (see the constants).
+//! connections (see the constants). At the cap, a new connection takes the
+//! place of the one idle longest ([`connections`]): a flood of idle
+//! connections cannot keep the probes out.
+
+mod connections;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,8 +22,9 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+
+use connections::{Connections, Place};
 
 use crate::metrics::Metrics;
 
@@ -43,9 +48,10 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// in progress, which gets `HEADER_READ_TIMEOUT` more to finish. A minute is
 /// several scrapes: reconnecting that often costs nothing.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
-/// Most connections served at once; more are closed as soon as accepted.
-/// A scraper or two and the probes need a handful; 64 bounds the tasks and
-/// buffers (each at most hyper's ~400 KB) that clients can make us hold.
+/// Most connections served at once. A scraper or two and the probes need a
+/// handful; 64 bounds the tasks and buffers (each at most hyper's ~400 KB)
+/// that clients can make us hold. Beyond it, a new connection closes the
+/// one idle longest, or is closed when every one has a request in progress.
 const MAX_CONNECTIONS: usize = 64;
 /// Refused connections are logged at most this often, with a count.
 const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -98,7 +104,7 @@ async fn serve_with(
 }
 
 async fn accept_loop(listener: TcpListener, app: Router, stop: CancellationToken, limits: Limits) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let connections = Connections::new(limits.max_connections);
     let (mut refused, mut last_log) = (0u64, None::<Instant>);
     loop {
         let accepted = tokio::select! {
@@ -115,7 +121,7 @@ async fn accept_loop(listener: TcpListener, app: Router, stop: CancellationToken
                 }
             }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
+        let Some(place) = connections.admit() else {
             drop(stream);
             refused += 1;
             if last_log.is_none_or(|t: Instant| t.elapsed() >= REFUSAL_LOG_INTERVAL) {
@@ -128,24 +134,42 @@ async fn accept_loop(listener: TcpListener, app: Router, stop: CancellationToken
             continue;
         };
         let (app, stop) = (app.clone(), stop.clone());
-        tokio::spawn(async move {
-            serve_connection(stream, app, stop, limits).await;
-            drop(permit);
-        });
+        tokio::spawn(serve_connection(stream, app, Arc::new(place), stop, limits));
     }
 }
 
 /// Serves one connection until the client closes it, it breaks a limit, or
-/// `stop`; a request in progress then gets `header_read` to finish.
-async fn serve_connection(stream: TcpStream, app: Router, stop: CancellationToken, limits: Limits) {
+/// `stop`; a request in progress then gets `header_read` to finish. Closed
+/// at once when another connection takes its `place` (it had no request in
+/// progress).
+async fn serve_connection(
+    stream: TcpStream,
+    app: Router,
+    place: Arc<Place>,
+    stop: CancellationToken,
+    limits: Limits,
+) {
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read);
-    let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+    let app = TowerToHyperService::new(app);
+    let evicted = place.evicted.clone();
+    // Each request holds the connection's place until it is answered.
+    let service = hyper::service::service_fn(move |req| {
+        let busy = place.busy();
+        let answer = hyper::service::Service::call(&app, req);
+        async move {
+            let r = answer.await;
+            drop(busy);
+            r
+        }
+    });
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => return log_end(r),
+        () = evicted.cancelled() => return,
         () = tokio::time::sleep(limits.lifetime) => {}
         () = stop.cancelled() => {}
     }
@@ -257,9 +281,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn connections_beyond_the_cap_are_refused() {
+    async fn beyond_the_cap_the_longest_idle_connection_makes_room() {
         let addr = start(Limits {
-            header_read: Duration::from_millis(500),
             max_connections: 2,
             ..LIMITS
         })
@@ -267,21 +290,28 @@ mod tests {
         let mut idle = Vec::new();
         for _ in 0..2 {
             idle.push(TcpStream::connect(addr).await.unwrap());
-        }
-        let response = exchange(addr, &get("/healthz")).await;
-        assert!(
-            response.as_deref().is_none_or(|r| !r.contains("200 OK")),
-            "served beyond the cap: {response:?}"
-        );
-        // The idle connections time out (they sent no request) and free
-        // their slots.
-        for mut s in idle {
-            let read = tokio::time::timeout(PATIENCE, s.read(&mut [0; 64])).await;
-            assert!(read.is_ok(), "an idle connection was kept");
+            // Accepted in this order.
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let response = exchange(addr, &get("/healthz")).await.expect("an answer");
         assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
         assert!(response.ends_with("\r\n\r\nok\n"), "{response}");
+        // The first idle connection was closed to make room (long before
+        // its header timeout); the second one keeps its place.
+        let mut first = idle.remove(0);
+        let read = tokio::time::timeout(PATIENCE, first.read(&mut [0; 64])).await;
+        assert!(
+            matches!(read, Ok(Ok(0))),
+            "the oldest idle connection was kept"
+        );
+        let mut second = idle.remove(0);
+        second.write_all(get("/healthz").as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(PATIENCE, second.read_to_end(&mut out))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(out.starts_with(b"HTTP/1.1 200 OK\r\n"));
     }
 
     #[tokio::test]

@@ -1,6 +1,10 @@
 //! `outbox-relay check` against real servers: all `ok`/`warn` and exit 0 on
 //! a good set-up; exit 1 and a `FAIL` line naming the problem for each
-//! broken one; passwords never printed.
+//! broken one; passwords never printed. Privileges: warnings for a
+//! superuser and for a checkpoint table someone else owns or has put
+//! triggers on; the least-privilege role of `sql/role.sql` relays, cannot
+//! take a base backup, nor write another slot's checkpoint, nor be steered
+//! by its search_path.
 
 mod common;
 
@@ -373,4 +377,196 @@ async fn lost_slot_fails_naming_recover() {
         "run `outbox-relay recover`",
     ]);
     assert_eq!(c.fails().len(), 1, "{c}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superuser_and_a_foreign_owned_or_triggered_checkpoint_table_are_warnings() {
+    let fx = Fixture::new("chk_priv").await;
+    let pg = pg_connect().await;
+    // A checkpoint table of this test's own: the shared one is written by
+    // every other test's relay.
+    let table = fx.scoped("cp");
+    let env = [(
+        "OUTBOX_RELAY_POSTGRES_CHECKPOINT_TABLE",
+        format!("public.{table}"),
+    )];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let out = fx
+        .relay_cmd("setup")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let c = check(&fx, &env);
+    assert_eq!(c.code, Some(0), "{c}");
+    let lines = c.lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("warn role postgres: is a superuser")
+                && l.contains("sql/role.sql")),
+        "{c}"
+    );
+    let what = format!("checkpoint table public.{table}");
+    assert!(
+        lines.contains(&format!("ok {what}: owned by postgres, no triggers").as_str()),
+        "{c}"
+    );
+
+    let (owner, function) = (fx.scoped("cp_owner"), fx.scoped("cp_trigger"));
+    pg.batch_execute(&format!(
+        "CREATE ROLE {owner} NOLOGIN; ALTER TABLE {table} OWNER TO {owner}; \
+         CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NEW; END'; \
+         CREATE TRIGGER steal BEFORE INSERT OR UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {function}()"
+    ))
+    .await
+    .unwrap();
+    let c = check(&fx, &env);
+    assert_eq!(c.code, Some(0), "warnings only:\n{c}");
+    let warned = |words: &[&str]| {
+        c.lines().iter().any(|l| {
+            l.starts_with(&format!("warn {what}: ")) && words.iter().all(|w| l.contains(w))
+        })
+    };
+    assert!(warned(&["owned by role", &owner, "OWNER TO"]), "{c}");
+    assert!(
+        warned(&["has triggers (steal)", "DROP TRIGGER \"steal\""]),
+        "{c}"
+    );
+    assert!(!c.stdout.contains(&format!("ok {what}")), "{c}");
+
+    pg.batch_execute(&format!(
+        "DROP TABLE {table}; DROP FUNCTION {function}(); DROP ROLE {owner}"
+    ))
+    .await
+    .unwrap();
+    fx.cleanup().await;
+}
+
+/// The role `sql/role.sql` makes, admitted by a database line of pg_hba.conf
+/// only (`integration/servers.sh`), relays end to end; `pg_basebackup` as it
+/// is refused; it cannot write another slot's checkpoint row; and a
+/// search_path set on it (here to a schema whose `now()` fails) does not
+/// reach the relay's SQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_role_relays_and_cannot_take_a_base_backup() {
+    let mut fx = Fixture::new("chk_least").await;
+    let pg = pg_connect().await;
+    let role = fx.least_privilege_role();
+    let hijack = fx.scoped("hijack");
+    pg.batch_execute(&format!(
+        "CREATE SCHEMA {hijack}; GRANT USAGE ON SCHEMA {hijack} TO {r}; \
+         CREATE FUNCTION {hijack}.now() RETURNS timestamptz LANGUAGE plpgsql \
+           AS $$BEGIN RAISE EXCEPTION 'search_path hijacked'; END$$; \
+         ALTER ROLE {r} SET search_path = {hijack}, pg_catalog",
+        r = role.name
+    ))
+    .await
+    .unwrap();
+    let as_role = [("OUTBOX_RELAY_POSTGRES_URL", role.url.as_str())];
+
+    // check: no superuser warning, and the role may replicate.
+    let c = check(&fx, &as_role);
+    assert_eq!(c.code, Some(0), "{c}");
+    assert!(!c.stdout.contains("superuser"), "{c}");
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with(&format!("ok role {} may replicate", role.name))),
+        "{c}"
+    );
+    c.assert_hides(&role.password);
+
+    // Events flow, and the relay records its checkpoint (with now()).
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay_env(&as_role);
+    let ids = fx.insert_many(&pg, 5, "lp", |i| i.to_string(), "e").await;
+    fx.expect_delivered(&ids, &relay).await;
+    let end: String = pg
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let recorded = pg
+            .query_opt(
+                "SELECT 1 FROM outbox_relay_checkpoint \
+                 WHERE slot_name = $1 AND confirmed_lsn >= $2::text::pg_lsn",
+                &[&fx.slot, &end],
+            )
+            .await
+            .unwrap();
+        if recorded.is_some() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the relay never recorded its checkpoint as {}; log:\n{}",
+            role.name,
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = relay.log_text();
+    assert!(!log.contains("hijacked"), "{log}");
+    relay.stop_ok();
+
+    // Its own checkpoint row only.
+    let client = pg_connect_retry_to(&role.url).await;
+    let other = fx.scoped("other_slot");
+    let err = client
+        .execute(
+            "INSERT INTO public.outbox_relay_checkpoint (slot_name, confirmed_lsn) \
+             VALUES ($1, '0/0')",
+            &[&other],
+        )
+        .await
+        .expect_err("wrote another slot's checkpoint row");
+    assert!(
+        err.as_db_error()
+            .is_some_and(|e| e.message().contains("row-level security")),
+        "{err:?}"
+    );
+    let touched = client
+        .execute(
+            "UPDATE public.outbox_relay_checkpoint SET confirmed_lsn = '0/0' WHERE slot_name <> $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap();
+    assert_eq!(touched, 0, "updated other slots' checkpoint rows");
+    drop(client);
+
+    // No physical replication connection: pg_basebackup is refused.
+    let backup = tempfile::tempdir().unwrap();
+    let out = Command::new(pg_bin().join("pg_basebackup"))
+        .arg("-d")
+        .arg(&role.url)
+        .arg("-D")
+        .arg(backup.path().join("copy"))
+        .args(["-X", "none", "--no-sync"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "pg_basebackup as {} worked",
+        role.name
+    );
+    assert!(
+        said.contains("no pg_hba.conf entry for replication connection"),
+        "{said}"
+    );
+    assert!(!backup.path().join("copy/PG_VERSION").exists());
+
+    fx.cleanup().await;
+    role.drop(&pg).await;
+    let _ = pg
+        .batch_execute(&format!("DROP SCHEMA {hijack} CASCADE"))
+        .await;
 }

@@ -7,8 +7,17 @@
 //! - every `outbox_relay_*` name the dashboard and the rules query is a
 //!   series a running relay exports (scraped from its `/metrics`).
 //!
-//! promtool comes with Debian's `prometheus` package, which
-//! `integration/servers.sh install` installs; without it these tests fail.
+//! - the systemd unit passes `systemd-analyze verify` and scores well in
+//!   `systemd-analyze security --offline`, loads its passwords as
+//!   credentials and sets none in its environment; the Kubernetes manifest
+//!   parses, mounts no service account token and limits the pod's traffic;
+//! - the probes the manifest sends are answered through a flood of idle
+//!   connections to the HTTP port.
+//!
+//! promtool comes with Debian's `prometheus` package, systemd-analyze with
+//! `systemd`, PyYAML (the manifest is read with it) with `python3-yaml`,
+//! which `integration/servers.sh install` installs; without them these
+//! tests fail.
 
 mod common;
 
@@ -22,6 +31,8 @@ const RULES: &str = "deploy/prometheus/outbox-relay.rules.yml";
 const RULES_TEST: &str = "deploy/prometheus/outbox-relay.rules.test.yml";
 const PROMETHEUS_YML: &str = "deploy/prometheus/prometheus.yml";
 const DASHBOARD: &str = "deploy/grafana/outbox-relay.json";
+const UNIT: &str = "deploy/systemd/outbox-relay.service";
+const MANIFEST: &str = "deploy/kubernetes/outbox-relay.yaml";
 
 /// `promtool ARGS` in the repository's root.
 fn promtool(args: &[&str]) -> Output {
@@ -283,6 +294,230 @@ async fn dashboard_and_rules_query_only_metrics_the_relay_exports() {
         "queried but not exported by the relay: {missing:#?}\nexported series: {exported:#?}\n/metrics:\n{scrape}"
     );
 
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// `systemd-analyze ARGS`; its exit status and everything it printed.
+fn systemd_analyze(args: &[&str]) -> (bool, String) {
+    let out = Command::new("systemd-analyze")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run systemd-analyze ({e}): install Debian's `systemd` package")
+        });
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[test]
+fn systemd_unit_verifies_is_sandboxed_and_loads_its_secrets_as_credentials() {
+    let unit = read(UNIT);
+    // Verified as installed, with the relay at the path the unit runs
+    // (here, the one just built).
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("outbox-relay.service");
+    std::fs::write(
+        &copy,
+        unit.replace("/usr/bin/outbox-relay", env!("CARGO_BIN_EXE_outbox-relay")),
+    )
+    .unwrap();
+    let copy = copy.to_str().unwrap();
+    let (ok, said) = systemd_analyze(&["verify", copy]);
+    assert!(
+        ok && said.trim().is_empty(),
+        "systemd-analyze verify:\n{said}"
+    );
+    let (ok, said) = systemd_analyze(&["security", "--offline=true", copy]);
+    assert!(ok, "systemd-analyze security --offline:\n{said}");
+    let exposure: f64 = said
+        .lines()
+        .find_map(|l| {
+            l.split("Overall exposure level for outbox-relay.service: ")
+                .nth(1)
+        })
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no overall exposure level:\n{said}"));
+    assert!(
+        exposure <= 1.2,
+        "exposure {exposure} (left open: network access, which the relay needs):\n{said}"
+    );
+
+    let values = |key: &str| -> Vec<&str> {
+        unit.lines()
+            .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .collect()
+    };
+    // The credentials the config's password files name, from the
+    // credential store; the memory, core and sandbox settings.
+    assert_eq!(
+        values("LoadCredential"),
+        [
+            "postgres-password:outbox-relay.postgres-password",
+            "rabbitmq-password:outbox-relay.rabbitmq-password"
+        ]
+    );
+    assert!(unit.contains("password_file = \"$CREDENTIALS_DIRECTORY/postgres-password\""));
+    assert!(unit.contains("password_file = \"$CREDENTIALS_DIRECTORY/rabbitmq-password\""));
+    for (key, want) in [
+        ("MemoryMax", "256M"),
+        ("MemorySwapMax", "0"),
+        ("LimitCORE", "0"),
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("PrivateDevices", "yes"),
+        ("PrivateUsers", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelLogs", "yes"),
+        ("RestrictAddressFamilies", "AF_INET AF_INET6 AF_UNIX"),
+        ("CapabilityBoundingSet", ""),
+    ] {
+        assert_eq!(values(key), [want], "{key}=");
+    }
+    assert!(values("SystemCallFilter").contains(&"@system-service"));
+    // Nothing secret in the environment, which any local user may read
+    // over D-Bus.
+    for env in values("Environment") {
+        let name = env.split('=').next().unwrap_or_default();
+        assert!(
+            !["URL", "PASSWORD"].iter().any(|s| name.contains(s)),
+            "Environment={env}"
+        );
+    }
+}
+
+/// The documents of a YAML file, as JSON (read with PyYAML).
+fn yaml_documents(rel: &str) -> Vec<serde_json::Value> {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import json, sys, yaml; json.dump(list(yaml.safe_load_all(sys.stdin)), sys.stdout)",
+        ])
+        .stdin(std::fs::File::open(repo_path(rel)).unwrap())
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{rel} does not parse as YAML (or PyYAML is missing: apt-get install python3-yaml):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn kubernetes_manifest_mounts_no_token_and_limits_the_pods_traffic() {
+    let docs = yaml_documents(MANIFEST);
+    let kind = |k: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == k)
+            .unwrap_or_else(|| panic!("no {k} in {MANIFEST}"))
+    };
+    let deployment = kind("Deployment");
+    let pod = &deployment["spec"]["template"];
+    let labels = &pod["metadata"]["labels"];
+    let spec = &pod["spec"];
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    let container = &spec["containers"][0];
+    let port = container["ports"][0]["containerPort"].as_u64().unwrap();
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(container[probe]["httpGet"]["port"], "http", "{probe}");
+    }
+    assert_eq!(container["resources"]["limits"]["memory"], "256Mi");
+
+    let policy = kind("NetworkPolicy");
+    let policy = &policy["spec"];
+    assert_eq!(
+        &policy["podSelector"]["matchLabels"], labels,
+        "the policy selects the relay's pods"
+    );
+    let types: Vec<&str> = (policy["policyTypes"].as_array().unwrap().iter())
+        .filter_map(|t| t.as_str())
+        .collect();
+    assert_eq!(types, ["Ingress", "Egress"]);
+    let ports = |rules: &serde_json::Value| -> BTreeSet<u64> {
+        (rules.as_array().unwrap().iter())
+            .flat_map(|r| r["ports"].as_array().unwrap().iter())
+            .filter_map(|p| p["port"].as_u64())
+            .collect()
+    };
+    assert_eq!(ports(&policy["ingress"]), BTreeSet::from([port]));
+    for rule in policy["ingress"].as_array().unwrap() {
+        assert!(!rule["from"].as_array().unwrap().is_empty(), "open ingress");
+    }
+    assert_eq!(
+        ports(&policy["egress"]),
+        BTreeSet::from([53, 5432, 5671, 5672])
+    );
+}
+
+/// The probes get through while hundreds of idle connections (a slowloris
+/// flood, far beyond the relay's cap of 64) hold the HTTP port open. The
+/// relay runs as the unit runs it: its PostgreSQL password from the
+/// credentials directory (the URL's own is wrong).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_are_answered_through_a_flood_of_idle_connections() {
+    use std::os::unix::fs::PermissionsExt;
+    let fx = Fixture::new("deploy_flood").await;
+    let credentials = tempfile::tempdir().unwrap();
+    let password = pg_url()
+        .parse::<tokio_postgres::Config>()
+        .unwrap()
+        .get_password()
+        .map(|p| String::from_utf8(p.to_vec()).unwrap())
+        .expect("TEST_PG_URL has a password");
+    let file = credentials.path().join("postgres-password");
+    std::fs::write(&file, &password).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let wrong = fx
+        .pg_url
+        .replace(&format!(":{password}@"), ":not-the-password@");
+    assert_ne!(wrong, fx.pg_url);
+    let relay = fx.spawn_relay_env(&[
+        ("OUTBOX_RELAY_LOG_FORMAT", "json"),
+        ("OUTBOX_RELAY_POSTGRES_URL", &wrong),
+        (
+            "CREDENTIALS_DIRECTORY",
+            credentials.path().to_str().unwrap(),
+        ),
+        (
+            "OUTBOX_RELAY_POSTGRES_PASSWORD_FILE",
+            "$CREDENTIALS_DIRECTORY/postgres-password",
+        ),
+    ]);
+    let addr = relay.http_addr().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http_get(&addr, "/readyz").await.0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "never ready; log:\n{}",
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut flood = Vec::new();
+    for _ in 0..300 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        // Half a request, never finished.
+        use tokio::io::AsyncWriteExt;
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x").await;
+        flood.push(s);
+    }
+    for path in ["/healthz", "/readyz"] {
+        for _ in 0..3 {
+            let (code, body) = http_get(&addr, path).await;
+            assert_eq!(code, 200, "{path}: {body}");
+        }
+    }
+    drop(flood);
     relay.stop_ok();
     fx.cleanup().await;
 }

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -29,36 +28,8 @@ async fn metrics_health_logs_and_secrets() {
     let pg = pg_connect().await;
 
     // The least-privilege role, made by sql/role.sql itself.
-    let role = fx.scoped("role");
-    let password = format!("Pw-{}-NotInLogs", std::process::id());
-    let sql = std::fs::read_to_string(repo_path("sql/role.sql"))
-        .unwrap()
-        .replace("public.outbox_relay_checkpoint", "@CHECKPOINT@")
-        .replace("outbox_relay", &role)
-        .replace("public.outbox", &format!("public.{}", fx.table))
-        .replace("@CHECKPOINT@", "public.outbox_relay_checkpoint");
-    let file = fx.dir.path().join("role.sql");
-    std::fs::write(&file, sql).unwrap();
-    let out = Command::new("psql")
-        .arg(pg_url())
-        .args([
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-v",
-            &format!("relay_password={password}"),
-            "-f",
-        ])
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "role.sql: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let super_url = pg_url();
-    let (_, rest) = super_url.split_once('@').unwrap();
-    let role_url = format!("postgres://{role}:{password}@{rest}");
+    let role = fx.least_privilege_role();
+    let (password, role_url) = (role.password.clone(), role.url.clone());
 
     fx.start_consumer().await;
     let relay = fx.spawn_relay_env(&[
@@ -177,9 +148,5 @@ async fn metrics_health_logs_and_secrets() {
         assert!(!text.contains(&password), "password in {what}");
     }
     fx.cleanup().await;
-    let _ = pg.batch_execute(&format!(
-        "REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}; REVOKE ALL ON SCHEMA public FROM {role}; \
-         REVOKE ALL ON DATABASE postgres FROM {role}; DROP ROLE {role}"
-    ))
-    .await;
+    role.drop(&pg).await;
 }

@@ -495,3 +495,31 @@ async fn the_container_recipe_and_manifest_match_the_relay() {
     relay.stop_ok();
     fx.cleanup().await;
 }
+
+/// `make deb` packages the binary cargo built, wherever CARGO_TARGET_DIR
+/// puts it (issue 25, D18): a dry run (`make -n`, which builds nothing)
+/// shows the paths it would hand to `deploy/deb/build.sh`.
+#[test]
+fn make_deb_follows_cargo_target_dir() {
+    let target = tempfile::tempdir().unwrap();
+    let dir = target.path().display().to_string();
+    let out = run(Command::new("make")
+        .args(["-n", "deb"])
+        .current_dir(repo_path(""))
+        .env("CARGO_TARGET_DIR", target.path()));
+    let said = text(&out);
+    let package = said
+        .lines()
+        .find(|l| l.contains("deploy/deb/build.sh"))
+        .unwrap_or_else(|| panic!("make -n deb runs no deploy/deb/build.sh:\n{said}"));
+    assert!(
+        package.ends_with(&format!(
+            "deploy/deb/build.sh \"{dir}/release/outbox-relay\""
+        )),
+        "packages another binary than the one cargo builds into {dir}: {package}"
+    );
+    assert!(
+        package.contains(&format!("{dir}/deb")),
+        "writes the package outside {dir}: {package}"
+    );
+}

@@ -210,7 +210,7 @@ pub(super) async fn role(client: &Client) -> Result<Vec<Line>, CheckError> {
         .await?;
     let (user, replication, superuser): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
     let what = format!("role {user} may replicate");
-    Ok(vec![if superuser {
+    let mut lines = vec![if superuser {
         Line::ok(what, "superuser")
     } else if replication {
         Line::ok(what, "REPLICATION attribute")
@@ -223,7 +223,85 @@ pub(super) async fn role(client: &Client) -> Result<Vec<Line>, CheckError> {
                 quote_ident(&user)
             ),
         )
-    }])
+    }];
+    if superuser {
+        lines.push(Line::warn(
+            format!("role {user}"),
+            "is a superuser: the relay needs only REPLICATION, SELECT on the outbox and its own \
+             checkpoint row, and a superuser's password (which the relay holds) opens everything; \
+             run it as the role of sql/role.sql (postgres.url)",
+        ));
+    }
+    Ok(lines)
+}
+
+/// The checkpoint table: who owns it and what triggers it has. Its owner
+/// can change what the relay records, and every trigger on it runs as the
+/// relay's role (which may replicate) each time the relay records its
+/// position: both must be people the relay trusts anyway, the relay's own
+/// role, a superuser or the owner of an outbox table.
+pub(super) async fn checkpoint_table(
+    client: &Client,
+    cfg: &Config,
+) -> Result<Vec<Line>, CheckError> {
+    let table = &cfg.postgres.checkpoint_table;
+    let what = format!("checkpoint table {table}");
+    let outboxes: Vec<String> = (cfg.outboxes.iter())
+        .filter_map(|o| Some(o.table()?.quoted()))
+        .collect();
+    let row = client
+        .query_opt(
+            "SELECT o.rolname::text, o.rolsuper OR o.rolname = current_user \
+                    OR EXISTS (SELECT 1 FROM unnest($2::text[]) t(name) \
+                               JOIN pg_class x ON x.oid = to_regclass(t.name) \
+                               WHERE x.relowner = c.relowner), \
+                    ARRAY(SELECT tgname::text FROM pg_trigger \
+                          WHERE tgrelid = c.oid AND NOT tgisinternal ORDER BY 1) \
+             FROM pg_class c JOIN pg_roles o ON o.oid = c.relowner \
+             WHERE c.oid = to_regclass($1)",
+            &[&table.quoted(), &outboxes],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(vec![Line::warn(
+            what,
+            "does not exist yet (postgres.checkpoint_table): `outbox-relay setup` creates it, \
+             or run sql/checkpoint.sql",
+        )]);
+    };
+    let (owner, trusted, triggers): (String, bool, Vec<String>) =
+        (row.get(0), row.get(1), row.get(2));
+    let mut lines = Vec::new();
+    if !trusted {
+        lines.push(Line::warn(
+            what.clone(),
+            format!(
+                "is owned by role {owner}, which is neither the relay's role, a superuser nor an \
+                 outbox table's owner: it can rewrite what the relay records and add triggers \
+                 that run as the relay's role; as a superuser, run ALTER TABLE {} OWNER TO \
+                 <the outbox table's owner>",
+                table.quoted()
+            ),
+        ));
+    }
+    if !triggers.is_empty() {
+        let drop: Vec<String> = (triggers.iter())
+            .map(|t| format!("DROP TRIGGER {} ON {}", quote_ident(t), table.quoted()))
+            .collect();
+        lines.push(Line::warn(
+            what.clone(),
+            format!(
+                "has triggers ({}): they run as the relay's role each time it records its \
+                 position; unless you put them there, {}",
+                triggers.join(", "),
+                drop.join("; ")
+            ),
+        ));
+    }
+    if lines.is_empty() {
+        lines.push(Line::ok(what, format!("owned by {owner}, no triggers")));
+    }
+    Ok(lines)
 }
 
 pub(super) async fn replication_slot(

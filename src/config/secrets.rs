@@ -13,6 +13,8 @@ use super::{ConfigError, key_err};
 /// warning; the file holds the password alone, every byte of it (spaces
 /// too), and at most one line ending (`\n` or `\r\n`) after it.
 pub(super) fn with_password_file(url: &str, key: &str, file: &str) -> Result<String, ConfigError> {
+    let dir = std::env::var("CREDENTIALS_DIRECTORY").ok();
+    let file = &credential_path(key, file, dir.as_deref())?;
     let text = std::fs::read_to_string(file)
         .map_err(|e| key_err(key, format!("cannot read {file}: {e}")))?;
     if let Some(warning) = password_file_warning(key, Path::new(file)) {
@@ -50,6 +52,39 @@ pub(super) fn with_password_file(url: &str, key: &str, file: &str) -> Result<Str
         "{scheme}://{user}:{encoded}{}{tail}",
         &authority[at..]
     ))
+}
+
+/// How a password file names the directory where systemd puts the unit's
+/// credentials (`LoadCredential=`): the variable systemd sets, as a shell
+/// would write it, and the unit files' own specifier for it.
+const CREDENTIALS_DIRECTORY: [&str; 3] =
+    ["${CREDENTIALS_DIRECTORY}", "$CREDENTIALS_DIRECTORY", "%d"];
+
+/// `file` with a leading `$CREDENTIALS_DIRECTORY`, `${CREDENTIALS_DIRECTORY}`
+/// or `%d` replaced by `dir`, the value of `CREDENTIALS_DIRECTORY` (set by
+/// systemd for a unit with credentials); other paths as they are.
+pub(super) fn credential_path(
+    key: &str,
+    file: &str,
+    dir: Option<&str>,
+) -> Result<String, ConfigError> {
+    let Some(rest) = CREDENTIALS_DIRECTORY
+        .iter()
+        .find_map(|v| file.strip_prefix(v).filter(|r| r.starts_with('/')))
+    else {
+        return Ok(file.to_owned());
+    };
+    match dir.filter(|d| !d.is_empty()) {
+        Some(dir) => Ok(format!("{}{rest}", dir.trim_end_matches('/'))),
+        None => Err(key_err(
+            key,
+            format!(
+                "{file} is in the credentials directory, but CREDENTIALS_DIRECTORY is not set: \
+                 systemd sets it for a unit that loads credentials (LoadCredential=, see the \
+                 packaged unit); elsewhere give the file's own path"
+            ),
+        )),
+    }
 }
 
 /// The warning for a password file that group or others may read or write

@@ -1,7 +1,7 @@
 //! The configuration's unit tests: defaults, overrides, refusals, secrets.
 
 use super::*;
-use secrets::password_file_warning;
+use secrets::{credential_path, password_file_warning};
 use std::path::PathBuf;
 
 const MINIMAL: &str = r#"
@@ -349,6 +349,32 @@ fn password_file_fills_in_the_url() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("postgres.password_file"), "{err}");
+}
+
+/// systemd's credentials (`LoadCredential=`): a password file in the
+/// directory it names in CREDENTIALS_DIRECTORY.
+#[test]
+fn password_file_may_name_the_credentials_directory() {
+    let key = "postgres.password_file";
+    for file in [
+        "$CREDENTIALS_DIRECTORY/pg",
+        "${CREDENTIALS_DIRECTORY}/pg",
+        "%d/pg",
+    ] {
+        assert_eq!(
+            credential_path(key, file, Some("/run/credentials/outbox-relay.service/")).unwrap(),
+            "/run/credentials/outbox-relay.service/pg",
+            "{file}"
+        );
+        let err = credential_path(key, file, None).unwrap_err().to_string();
+        assert!(
+            err.contains(key) && err.contains("CREDENTIALS_DIRECTORY is not set"),
+            "{err}"
+        );
+    }
+    for file in ["/etc/pg", "%dir/pg", "$CREDENTIALS_DIRECTORYX/pg"] {
+        assert_eq!(credential_path(key, file, Some("/run/c")).unwrap(), file);
+    }
 }
 
 /// The URL `with_password_file` makes from a private file holding `content`.

@@ -127,6 +127,15 @@ impl SourceError {
     }
 }
 
+/// Startup options of every session the relay opens, SQL and replication:
+/// names resolve in `pg_catalog` only (then `pg_temp`, last), whatever
+/// search_path the role or database was given (`ALTER ROLE ... SET`,
+/// which the client's options outrank). A function or operator someone
+/// made in a schema on that path cannot stand in for a built-in one in the
+/// relay's SQL, which names its own tables with their schema. PostgreSQL's
+/// own logical replication workers do the same.
+pub const SESSION_OPTIONS: &str = "-c search_path=pg_catalog,pg_temp";
+
 /// Deadline for opening a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Deadline for reaching each host of a list.
@@ -141,6 +150,12 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     let mut pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
         SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
     })?;
+    // After any options of the URL's, so that ours win.
+    let options = match pg.get_options() {
+        Some(theirs) if !theirs.trim().is_empty() => format!("{theirs} {SESSION_OPTIONS}"),
+        _ => SESSION_OPTIONS.to_owned(),
+    };
+    pg.options(&options);
     // TCP keepalives notice a dead host or path on a quiet connection
     // (about 30 s), unless the URL chose its own idle time.
     if pg.get_keepalives_idle() == tokio_postgres::Config::new().get_keepalives_idle() {
@@ -285,7 +300,8 @@ async fn open_replication(
         .with_status_interval(cfg.status_interval)
         .with_wakeup_interval(silence::ask_every(silence_limit))
         .with_buffer_size(buffer_events)
-        .with_application_name("outbox-relay");
+        .with_application_name("outbox-relay")
+        .with_options(SESSION_OPTIONS);
     // `connect` only spawns the worker: wait until the server accepted
     // START_REPLICATION, so that TLS, authentication and slot errors surface
     // here, where they can be explained. Before it, on the same session:

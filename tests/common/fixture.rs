@@ -406,6 +406,39 @@ listen = "127.0.0.1:0"
         format!("{what}_{}", self.name)
     }
 
+    /// A least-privilege role for this fixture, made by `sql/role.sql`
+    /// itself (for its slot, outbox table and the checkpoint table), and
+    /// its URL: the harness's server admits it with its database line only
+    /// (`integration/servers.sh`: no replication line for it). Dropped with
+    /// [`RelayRole::drop`].
+    pub fn least_privilege_role(&self) -> RelayRole {
+        let name = self.scoped("role");
+        let password = format!("Pw-{}-NotInLogs", std::process::id());
+        let out = Command::new("psql")
+            .arg(&self.pg_url)
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+            .args(["-v", &format!("relay_password={password}")])
+            .args(["-v", &format!("relay_role={name}")])
+            .args(["-v", &format!("slot={}", self.slot)])
+            .args(["-v", &format!("outbox_table=public.{}", self.table)])
+            .arg("-f")
+            .arg(repo_path("sql/role.sql"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "role.sql: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (_, server) = self.pg_url.split_once('@').unwrap();
+        let url = format!("postgres://{name}:{password}@{server}");
+        RelayRole {
+            name,
+            password,
+            url,
+        }
+    }
+
     /// Rewrites the config with extra TOML for `[rabbitmq]` and `[postgres]`.
     pub fn set_config_extra(&self, rabbitmq_extra: &str, postgres_extra: &str) {
         let text = self.config_text(rabbitmq_extra).replace(
@@ -534,4 +567,24 @@ pub async fn declare_bound_on(
     ))
     .await
     .unwrap();
+}
+
+/// A role `sql/role.sql` made ([`Fixture::least_privilege_role`]).
+pub struct RelayRole {
+    pub name: String,
+    pub password: String,
+    /// The fixture's server, as this role.
+    pub url: String,
+}
+
+impl RelayRole {
+    /// Drops the role, its grants and its checkpoint policy.
+    pub async fn drop(self, pg: &Client) {
+        let _ = pg
+            .batch_execute(&format!(
+                "DROP OWNED BY \"{0}\"; DROP ROLE \"{0}\"",
+                self.name
+            ))
+            .await;
+    }
 }
