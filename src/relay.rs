@@ -37,7 +37,7 @@ use crate::sink::publisher::{self, SinkItem};
 use crate::sink::refusals::{Refusals, learn};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
-use crate::source::coverage::Coverage;
+use crate::source::coverage::{Coverage, Seen};
 use crate::source::longest_tx::LongestTx;
 use crate::source::resume;
 use crate::source::silence::{self, Silence, Silent};
@@ -84,7 +84,7 @@ pub async fn run(
     let mut busy_logged: Option<Instant> = None;
     // The outbox as this process has known it: a RENAME followed by its
     // relation id stays followed across reconnects.
-    let mut known: Vec<Option<OutboxOids>> = vec![None; cfg.outboxes.len()];
+    let mut known: Known = (vec![None; cfg.outboxes.len()], None);
     // What the broker refused in earlier sessions (see sink::replies).
     let mut refusals = Refusals::default();
     // Sessions ended by each refusal (an exchange name, a body limit, an
@@ -173,8 +173,9 @@ pub fn backoff(attempt: u32) -> Duration {
     half + half.mul_f64(rand::random_range(0.0..1.0))
 }
 
-/// Each outbox's relation ids as this process has known them.
-type Known = Vec<Option<OutboxOids>>;
+/// Each outbox's relation ids as this process has known them, and the
+/// publication's hold on them that the last session started from.
+type Known = (Vec<Option<OutboxOids>>, Option<Seen>);
 
 async fn session(
     cfg: &Config,
@@ -243,7 +244,7 @@ async fn session(
             info!(slot_lsn = %slot_lsn, lsn = %start, from = origin.as_str(), "resuming past the slot's confirmed position");
         }
         let mut oids = Vec::with_capacity(cfg.outboxes.len());
-        for (outbox, known) in cfg.outboxes.iter().zip(known.iter()) {
+        for (outbox, known) in cfg.outboxes.iter().zip(known.0.iter()) {
             let found = slot::outbox_oids(&sql, cfg, outbox, known.as_ref());
             oids.push(bounded("looking up the outbox table", found).await?);
         }
@@ -255,10 +256,11 @@ async fn session(
         .await?;
         let coverage = bounded(
             "reading the publication",
-            Coverage::baseline(&sql, cfg, &oids),
+            Coverage::baseline(&sql, cfg, &oids, known.1.as_ref()),
         )
         .await?;
-        known.clone_from(&oids);
+        known.0.clone_from(&oids);
+        known.1 = Some(coverage.seen());
         let silence_limit = bounded(
             "reading wal_sender_timeout",
             silence::limit(&sql, &cfg.postgres),
@@ -318,8 +320,9 @@ async fn session(
         commit_time_us: None,
     });
     // What is reported: the watermark, held back to what the outbox
-    // tables' coverage vouches for.
+    // tables' coverage vouches for, until the sink has confirmed its last.
     let (reported_tx, mut reported) = watch::channel(*wm_rx.borrow());
+    let sink_done = CancellationToken::new();
     let mut decoder = OutboxDecoder::new(&cfg.outboxes, oids);
     let dead_letters = cfg.dead_letters();
 
@@ -337,7 +340,7 @@ async fn session(
         sql.clone(),
         coverage,
         (wm_rx, reported_tx),
-        stop.clone(),
+        (stop.clone(), sink_done.clone()),
     ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
@@ -380,7 +383,12 @@ async fn session(
 
     // The gate's last word: the position it vouches for, or why none.
     stop.cancel();
-    let gate_res = gated.await.unwrap_or(Ok(()));
+    sink_done.cancel();
+    let gate_res = gated.await.unwrap_or_else(|e| {
+        Err(SourceError::Timeout(format!(
+            "the coverage gate failed ({e}); the position after its last report will be replayed"
+        )))
+    });
     let confirmed = reported.borrow().lsn;
     *progressed = confirmed > start;
     *last = Some(resume::Confirmed {

@@ -152,14 +152,32 @@ async fn a_rename_while_streaming_loses_no_row() {
 /// then the printed `republish` sends the rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_and_recreated_outbox_stops_the_relay() {
-    let mut f = Fixture::new("recreated").await;
+    let f = Fixture::new("recreated").await;
+    let drop = format!("DROP TABLE {}", f.table);
+    replaced_outbox_stops_the_relay(f, &drop, "was dropped").await;
+}
+
+/// The same when the outbox is renamed away and a new table takes its name
+/// (a rename-and-swap migration): the relay follows the old table by its
+/// id, but the rows now go to the new one, which the publication does not
+/// hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_swapped_by_rename_stops_the_relay() {
+    let f = Fixture::new("swapped").await;
+    let rename = format!("ALTER TABLE {0} RENAME TO {0}_old", f.table);
+    replaced_outbox_stops_the_relay(f, &rename, "now names another table").await;
+}
+
+/// Streams, runs `away` (the outbox table goes) and creates the outbox
+/// again from `sql/outbox.sql`, writes 30 rows: the relay stops saying
+/// `said`, the slot stays before the rows, and the remedy it names sends
+/// them.
+async fn replaced_outbox_stops_the_relay(mut f: Fixture, away: &str, said: &str) {
     let (pg, mut relay) = f.streaming().await;
     let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
         .unwrap()
         .replace("CREATE TABLE outbox", &format!("CREATE TABLE {}", f.table));
-    pg.batch_execute(&format!("DROP TABLE {}; {ddl}", f.table))
-        .await
-        .unwrap();
+    pg.batch_execute(&format!("{away}; {ddl}")).await.unwrap();
     let recreated = wal_insert_lsn(&pg).await;
     let mut ids = Vec::new();
     for i in 0..30 {
@@ -178,7 +196,7 @@ async fn a_dropped_and_recreated_outbox_stops_the_relay() {
     let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
     assert!(!status.success(), "{log}");
     assert!(
-        log.contains("was dropped") && log.contains("republish --since"),
+        log.contains(said) && log.contains("republish --since"),
         "{log}"
     );
     let confirmed = f.confirmed_flush_lsn(&pg).await;
@@ -205,9 +223,12 @@ async fn a_dropped_and_recreated_outbox_stops_the_relay() {
     f.relay_ok("republish", &["--since", &since]);
     f.expect_delivered(&ids, &relay).await;
     relay.stop_ok();
-    pg.batch_execute(&format!("DROP TABLE {other}"))
-        .await
-        .unwrap();
+    pg.batch_execute(&format!(
+        "DROP TABLE {other}; DROP TABLE IF EXISTS {}_old",
+        f.table
+    ))
+    .await
+    .unwrap();
     f.cleanup().await;
 }
 

@@ -12,47 +12,60 @@ const COVERAGE_EVERY: Duration = Duration::from_millis(50);
 /// The last reading, when the session ends.
 const FINAL_DEADLINE: Duration = Duration::from_secs(2);
 
+/// Readings may fail this long (the SQL connection lost while the stream
+/// lives on) before the session ends, to reconnect: meanwhile nothing is
+/// reported, and WAL is retained.
+const UNREAD_LIMIT: Duration = Duration::from_secs(30);
+
 /// Forwards `watermark` into `reported`, never past the WAL position the
-/// last reading of the coverage vouched for. A change in the coverage ends
-/// the session (`stop`) with the error that explains it.
+/// last reading of the coverage vouched for, until `sink_done` (after the
+/// sink's last confirm, a drain included). A change in the coverage ends
+/// the session (`stop`) with the error that explains it; so do readings
+/// failing for [`UNREAD_LIMIT`] (transient: the next session reconnects).
 pub(super) async fn gate(
     cfg: Config,
     sql: Arc<tokio_postgres::Client>,
     mut coverage: Coverage,
     (mut watermark, reported): (watch::Receiver<Progress>, watch::Sender<Progress>),
-    stop: CancellationToken,
+    (stop, sink_done): (CancellationToken, CancellationToken),
 ) -> Result<(), SourceError> {
     let pg = &cfg.postgres;
     let mut vouched = reported.borrow().lsn;
     let mut tick = tokio::time::interval(COVERAGE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut unread_warned = false;
+    let mut unread_since: Option<Instant> = None;
     loop {
         let wm = *watermark.borrow_and_update();
         forward(&reported, wm, vouched);
         let behind = wm.lsn > vouched;
         tokio::select! {
             biased;
-            _ = stop.cancelled() => break,
+            _ = sink_done.cancelled() => break,
             Ok(()) = watermark.changed() => {}
             _ = tick.tick(), if behind => {
                 let read = tokio::time::timeout(SQL_DEADLINE, coverage.verify(&sql, pg)).await;
-                match read {
+                let failed = match read {
                     Ok(Ok(at)) => {
                         vouched = vouched.max(at);
-                        unread_warned = false;
+                        unread_since = None;
+                        continue;
                     }
                     Ok(Err(Uncertain::Changed(e))) => {
                         stop.cancel();
                         return Err(e);
                     }
-                    Ok(Err(Uncertain::Unread(e))) if !unread_warned => {
-                        warn!(error = %e, "cannot read the outbox tables' publication; the confirmed position waits");
-                        unread_warned = true;
-                    }
-                    Ok(Err(Uncertain::Unread(e))) => debug!(error = %e, "coverage reading failed"),
-                    Err(_) => debug!("coverage reading got no answer in time"),
+                    Ok(Err(Uncertain::Unread(e))) => e.to_string(),
+                    Err(_) => format!("no answer within {SQL_DEADLINE:?}"),
+                };
+                let since = *unread_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= UNREAD_LIMIT || sql.is_closed() {
+                    stop.cancel();
+                    return Err(SourceError::Timeout(format!(
+                        "reading the outbox tables' publication (the confirmed position waits on \
+                         it; postgres.url's SQL connection): {failed}"
+                    )));
                 }
+                debug!(error = %failed, "coverage reading failed; the confirmed position waits");
             }
         }
     }

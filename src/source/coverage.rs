@@ -40,6 +40,24 @@ struct Hold {
     /// hold the table or its partitions: removed and added back, an entry
     /// has a new id, and rows written in between were not published.
     entries: Vec<u32>,
+    /// The relation the configured name resolves to now: none after a
+    /// RENAME (the relay follows the table by its id), another one when a
+    /// new table took the name (a rename-and-swap), whose rows the
+    /// publication does not hold. Not part of the comparison.
+    named: Option<u32>,
+}
+
+impl Hold {
+    /// The same hold, whatever the configured name resolves to.
+    fn same(&self, other: &Hold) -> bool {
+        Hold {
+            named: None,
+            ..self.clone()
+        } == Hold {
+            named: None,
+            ..other.clone()
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -70,23 +88,29 @@ pub struct Coverage {
     last_good: String,
 }
 
+/// The partitions are walked through `pg_inherits`, which takes no lock
+/// (`pg_partition_tree` locks every partition, and would queue behind a
+/// DETACH or DROP of an old partition).
 const HOLD_SQL: &str = "SELECT r.root, EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = r.root), \
        p.oid, coalesce(p.pubinsert, false), coalesce(p.puballtables, false), \
-       ARRAY(SELECT pr.oid FROM pg_publication_rel pr WHERE pr.prpubid = p.oid AND \
-         (pr.prrelid = r.root OR pr.prrelid IN (SELECT t.relid FROM pg_partition_tree(r.root) t)) \
-       UNION ALL SELECT pn.oid FROM pg_publication_namespace pn JOIN pg_class c \
-         ON c.relnamespace = pn.pnnspid WHERE pn.pnpubid = p.oid AND c.oid = r.root ORDER BY 1) \
-     FROM unnest($2::oid[]) WITH ORDINALITY r(root, n) \
+       ARRAY(WITH RECURSIVE tree(relid) AS (SELECT r.root UNION ALL \
+           SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.relid) \
+         SELECT pr.oid FROM pg_publication_rel pr WHERE pr.prpubid = p.oid AND \
+           pr.prrelid IN (SELECT relid FROM tree) \
+         UNION ALL SELECT pn.oid FROM pg_publication_namespace pn JOIN pg_class c \
+           ON c.relnamespace = pn.pnnspid WHERE pn.pnpubid = p.oid AND c.oid = r.root ORDER BY 1), \
+       to_regclass(r.name)::oid \
+     FROM unnest($2::oid[], $3::text[]) WITH ORDINALITY r(root, name, n) \
      LEFT JOIN pg_publication p ON p.pubname = $1 ORDER BY r.n";
 
 async fn read_holds(
     client: &Client,
     pg: &PostgresConfig,
     publication: &str,
-    roots: &[u32],
+    (roots, names): (&[u32], &[String]),
 ) -> Result<Vec<Hold>, SourceError> {
     let rows = client
-        .query(HOLD_SQL, &[&publication, &roots])
+        .query(HOLD_SQL, &[&publication, &roots, &names])
         .await
         .map_err(sql_err(
             pg,
@@ -100,17 +124,21 @@ async fn read_holds(
             inserts: r.get(3),
             all_tables: r.get(4),
             entries: r.get(5),
+            named: r.get(6),
         })
         .collect())
 }
 
-/// The WAL position now (replayed, on a standby), and a minute before now as `--since` takes it
-/// (republishing from a little early sends duplicates, never gaps).
+/// The WAL position now (replayed, on a standby), and, as `--since` takes
+/// it, a minute before now or the start of the oldest transaction running,
+/// whichever is earlier (a migration's rows carry its start time;
+/// republishing from a little early sends duplicates, never gaps).
 async fn read_position(client: &Client, pg: &PostgresConfig) -> Result<(Lsn, String), SourceError> {
     let row = client
         .query_one(
             "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
-             ELSE pg_current_wal_lsn() END)::text, to_char((now() - interval '1 minute') \
+             ELSE pg_current_wal_lsn() END)::text, to_char(least(now() - interval '1 minute', \
+               (SELECT min(xact_start) FROM pg_stat_activity)) \
              AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
             &[],
         )
@@ -123,13 +151,36 @@ async fn read_position(client: &Client, pg: &PostgresConfig) -> Result<(Lsn, Str
     Ok((at, row.get(1)))
 }
 
+/// What a session's coverage started from: the next session of the same
+/// process starts from the same, or stops (a change while no session
+/// streamed, during a reconnect, is a change all the same).
+#[derive(Debug, Clone)]
+pub struct Seen {
+    tables: Vec<(String, u32, Hold)>,
+    last_good: String,
+}
+
 impl Coverage {
+    /// What this session started from, for the next one.
+    pub fn seen(&self) -> Seen {
+        Seen {
+            tables: self
+                .tables
+                .iter()
+                .map(|w| (w.key.clone(), w.root, w.hold.clone()))
+                .collect(),
+            last_good: self.last_good.clone(),
+        }
+    }
+
     /// Reads the hold the session starts with (`oids`: the session's
-    /// outbox tables, `None` for table-less outboxes).
+    /// outbox tables, `None` for table-less outboxes), and refuses one that
+    /// differs from what the previous session of this process started from.
     pub async fn baseline(
         client: &Client,
         cfg: &Config,
         oids: &[Option<OutboxOids>],
+        previous: Option<&Seen>,
     ) -> Result<Coverage, SourceError> {
         let mut tables = Vec::new();
         for (outbox, oids) in cfg.outboxes.iter().zip(oids) {
@@ -138,7 +189,34 @@ impl Coverage {
             }
         }
         let roots: Vec<u32> = tables.iter().map(|t| t.2).collect();
-        let holds = read_holds(client, &cfg.postgres, &cfg.postgres.publication, &roots).await?;
+        let names: Vec<String> = tables.iter().map(|t| t.0.quoted()).collect();
+        let publication = &cfg.postgres.publication;
+        let holds = read_holds(client, &cfg.postgres, publication, (&roots, &names)).await?;
+        if let Some(previous) = previous {
+            let before = Coverage {
+                publication: publication.clone(),
+                tables: Vec::new(),
+                last_good: previous.last_good.clone(),
+            };
+            for ((table, key, root), hold) in tables.iter().zip(&holds) {
+                let Some((_, was_root, was)) = previous.tables.iter().find(|t| t.0 == *key) else {
+                    continue;
+                };
+                if was_root != root || !was.same(hold) {
+                    let w = Watched {
+                        table: table.clone(),
+                        key: key.clone(),
+                        root: *was_root,
+                        hold: was.clone(),
+                    };
+                    let now = Hold {
+                        exists: was_root == root && hold.exists,
+                        ..hold.clone()
+                    };
+                    return Err(SourceError::Setup(before.changed(&w, &now)));
+                }
+            }
+        }
         Ok(Coverage {
             publication: cfg.postgres.publication.clone(),
             tables: tables
@@ -164,11 +242,13 @@ impl Coverage {
         if roots.is_empty() {
             return Ok(at);
         }
-        let holds = read_holds(client, pg, &self.publication, &roots)
+        let names: Vec<String> = self.tables.iter().map(|t| t.table.quoted()).collect();
+        let holds = read_holds(client, pg, &self.publication, (&roots, &names))
             .await
             .map_err(Uncertain::Unread)?;
         for (watched, now) in self.tables.iter().zip(&holds) {
-            if *now != watched.hold {
+            let swapped = now.named.is_some_and(|n| n != watched.root);
+            if swapped || !now.same(&watched.hold) {
                 return Err(Uncertain::Changed(SourceError::Setup(
                     self.changed(watched, now),
                 )));
@@ -179,7 +259,13 @@ impl Coverage {
     }
 
     fn changed(&self, w: &Watched, now: &Hold) -> String {
-        let what = if !now.exists {
+        let what = if now.exists && now.named.is_some_and(|n| n != w.root) {
+            format!(
+                "outbox table {} ({}) now names another table (renamed, and a new one took the \
+                 name), which publication {:?} does not hold unless added",
+                w.table, w.key, self.publication
+            )
+        } else if !now.exists {
             format!(
                 "outbox table {} ({}) was dropped (or dropped and created again: a new table, \
                  which publication {:?} does not hold unless added again)",

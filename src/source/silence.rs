@@ -3,7 +3,7 @@
 //! stays open and says nothing, so the session must decide from silence.
 //!
 //! A quiet database may legitimately send nothing for a long time (the
-//! relay reports its position every second, so the walsender need not ask
+//! relay reports its position as it moves, so the walsender need not ask
 //! for one), and so may a busy walsender reading WAL that has nothing for
 //! the relay. So the stream asks for a reply when quiet ([`ask_every`]),
 //! the side of the session that holds the SQL connection
@@ -142,10 +142,14 @@ pub async fn limit(client: &Client, cfg: &PostgresConfig) -> Result<Duration, So
 
 fn limit_from_ms(ms: i32) -> Duration {
     if ms <= 0 {
-        DEFAULT_LIMIT
-    } else {
-        Duration::from_millis(ms as u64).clamp(MIN_LIMIT, MAX_LIMIT)
+        return DEFAULT_LIMIT;
     }
+    let timeout = Duration::from_millis(ms as u64);
+    // A walsender busy replaying reads the relay's request for a reply
+    // only every half of its timeout: above the cap, the limit still
+    // outlasts that, the request's own wait, and a margin.
+    let busy = timeout / 2 + ask_every(MAX_LIMIT) + Duration::from_secs(5);
+    timeout.clamp(MIN_LIMIT, MAX_LIMIT).max(busy.min(timeout))
 }
 
 #[cfg(test)]
@@ -176,6 +180,8 @@ mod tests {
         assert_eq!(limit_from_ms(4_000), Duration::from_secs(4));
         assert_eq!(limit_from_ms(0), DEFAULT_LIMIT);
         assert_eq!(limit_from_ms(100), MIN_LIMIT);
-        assert_eq!(limit_from_ms(i32::MAX), MAX_LIMIT);
+        // Above the cap, still longer than a busy walsender's half timeout.
+        assert_eq!(limit_from_ms(1_800_000), Duration::from_secs(915));
+        assert_eq!(limit_from_ms(1_000_000), MAX_LIMIT);
     }
 }
