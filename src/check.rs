@@ -23,7 +23,7 @@
 //!    exchange when configured.
 //!
 //! Each check has its own deadline ([`CHECK_TIMEOUT`]). Passwords are never
-//! printed: URLs go through [`redact_url`], and errors from the drivers do
+//! printed: URLs go through [`shown_url`], and errors from the drivers do
 //! not carry them.
 
 use std::fmt;
@@ -38,7 +38,7 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
-use crate::config::{Config, OutboxConfig, TableName, quote_ident, redact_url};
+use crate::config::{Config, OutboxConfig, TableName, quote_ident, shown_url};
 use crate::outbox::PayloadKind;
 use crate::source::{SourceError, connect_sql, slot};
 use crate::tls::TlsFailure;

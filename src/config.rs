@@ -104,8 +104,9 @@ impl fmt::Debug for Secret {
     }
 }
 
-use crate::redact::query_has_password;
-pub use crate::redact::redact_url;
+use crate::pgurl::query_has_password;
+use crate::redact::NOT_A_URL;
+pub use crate::redact::shown_url;
 
 impl Config {
     /// Each outbox's dead-letter exchange, by index (what the publisher
@@ -180,7 +181,7 @@ impl RawConfig {
         let parsed = url_tls
             .url
             .parse::<tokio_postgres::Config>()
-            .map_err(|e| key_err("postgres.url", format!("not a valid PostgreSQL URL: {e}")))?;
+            .map_err(|_| key_err("postgres.url", format!("is {NOT_A_URL}")))?;
         let targets = PgTarget::all(&parsed).map_err(|e| key_err("postgres.url", e))?;
         let read_write = parsed.get_target_session_attrs()
             == tokio_postgres::config::TargetSessionAttrs::ReadWrite;
@@ -266,12 +267,8 @@ impl RawConfig {
                     "expected a URL of the form amqp://user:password@host:port/vhost",
                 ));
             }
-            url.parse::<lapin::uri::AMQPUri>().map_err(|e| {
-                key_err(
-                    "rabbitmq.url",
-                    format!("{} is not a valid AMQP URL: {e}", redact_url(url)),
-                )
-            })?;
+            crate::sink::parse_amqp_url(url)
+                .map_err(|_| key_err("rabbitmq.url", format!("is {NOT_A_URL}")))?;
         }
         let any_amqps = urls.iter().any(|u| u.starts_with("amqps://"));
         // amqps:// trusts the configured CA alone (a private CA pins the

@@ -76,6 +76,15 @@ pub fn split_pg_url(url: &str) -> PgUrl {
     }
 }
 
+/// True when the query of a `postgres://` URL sets `password`, as
+/// tokio-postgres reads the keys: percent-decoded (`?pass%77ord=` too).
+pub fn query_has_password(url: &str) -> bool {
+    query_start(url).is_some_and(|q| {
+        (url[q + 1..].split('&'))
+            .any(|pair| percent_decode(pair.split_once('=').map_or(pair, |(k, _)| k)) == "password")
+    })
+}
+
 fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
@@ -243,7 +252,7 @@ impl PgTarget {
         let pg: tokio_postgres::Config = split_pg_url(url)
             .url
             .parse()
-            .map_err(|e| format!("is not a valid PostgreSQL URL: {e}"))?;
+            .map_err(|_| format!("is {}", crate::redact::NOT_A_URL))?;
         PgTarget::of(&pg)
     }
 }
@@ -279,6 +288,17 @@ mod tests {
         assert_eq!(u.sslmode, None);
         assert_eq!(percent_decode("a%2"), "a%2");
         assert_eq!(percent_decode("%41%zz"), "A%zz");
+
+        for (url, has) in [
+            ("postgres://u@db/app?password=x", true),
+            ("postgres://u@db/app?sslmode=require&pass%77ord=x", true),
+            ("postgres://u@db/app?%70assword=x", true),
+            ("postgres://u:x@db/app?sslmode=require", false),
+            ("postgres://u:a?password=b@db/app", false),
+            ("postgres://u@db/app?old_password=x", false),
+        ] {
+            assert_eq!(query_has_password(url), has, "{url}");
+        }
     }
 
     #[test]

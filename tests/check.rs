@@ -111,8 +111,12 @@ async fn good_setup_is_all_ok() {
         };
         at += i + 1;
     }
-    // URLs are shown with the password masked.
-    assert!(c.stdout.contains(":****@"), "{c}");
+    // URLs are shown rebuilt from their parts, without the password.
+    assert!(
+        c.stdout.contains("reachable at postgres://postgres@"),
+        "{c}"
+    );
+    assert!(c.stdout.contains("reachable at amqp://guest@"), "{c}");
     assert!(!c.stdout.contains(":postgres@"), "{c}");
     assert!(!c.stdout.contains(":guest@"), "{c}");
     fx.cleanup().await;
@@ -261,6 +265,59 @@ async fn bad_amqp_password_fails_without_printing_it() {
             .any(|l| l.starts_with("warn RabbitMQ checks skipped")),
         "{c}"
     );
+    fx.cleanup().await;
+}
+
+/// The shapes URL masking missed (issue 25, C11): percent-encoded query
+/// keys, a value that only `&` ends, an AMQP URL without a host. Neither
+/// `check` nor `setup` prints the password the driver would send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_url_shape_prints_its_password() {
+    let fx = Fixture::new("chk_shapes").await;
+    let secret = "Sup3rS3cretShape";
+    let pg = pg_url().replace(":postgres@", "@");
+    let pg = |query: &str| format!("{pg}{}{query}", if pg.contains('?') { '&' } else { '?' });
+    let shapes = [
+        (
+            "OUTBOX_RELAY_POSTGRES_URL",
+            pg(&format!("pass%77ord={secret}")),
+        ),
+        (
+            "OUTBOX_RELAY_POSTGRES_URL",
+            pg(&format!("%70assword={secret}")),
+        ),
+        (
+            "OUTBOX_RELAY_POSTGRES_URL",
+            pg(&format!("password=ab#{secret}")),
+        ),
+        (
+            "OUTBOX_RELAY_RABBITMQ_URL",
+            format!("amqp://guest:{secret}"),
+        ),
+    ];
+    for (var, url) in &shapes {
+        let c = check(&fx, &[(var, url)]);
+        c.assert_hides(secret);
+        if var.contains("POSTGRES") {
+            // The driver sent the password (and the server refused it).
+            c.assert_fails_with(&[
+                "PostgreSQL reachable at postgres://postgres@",
+                "password authentication failed",
+            ]);
+        } else {
+            assert!(
+                c.code != Some(0)
+                    && c.stderr.contains("rabbitmq.url")
+                    && c.stderr.contains("not a valid URL"),
+                "{c}"
+            );
+        }
+        let mut setup = fx.relay_cmd("setup");
+        setup.env(var, url);
+        let s = run_check(setup);
+        assert_ne!(s.code, Some(0), "{s}");
+        s.assert_hides(secret);
+    }
     fx.cleanup().await;
 }
 

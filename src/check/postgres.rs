@@ -22,7 +22,7 @@ pub(super) fn pg_error_text(e: &tokio_postgres::Error) -> String {
 }
 
 pub(super) async fn postgres_connect(cfg: &Config) -> (Line, Option<Client>) {
-    let url = redact_url(cfg.postgres.url.expose());
+    let url = shown_url(cfg.postgres.url.expose());
     let what = format!("PostgreSQL reachable at {url}");
     // connect_sql has its own deadline (15 s), the same as CHECK_TIMEOUT.
     let client = match connect_sql(&cfg.postgres).await {

@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
 
-use crate::config::{PostgresConfig, quote_ident, redact_url};
+use crate::config::{PostgresConfig, quote_ident, shown_url};
 use crate::lsn::Lsn;
 use crate::pgurl::{PgTarget, split_pg_url};
+use crate::redact::NOT_A_URL;
 use crate::tls::{self, TlsFailure};
 
 /// What went wrong on the PostgreSQL side.
@@ -137,9 +138,10 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     // The URL was validated with the same split when the config was loaded.
     // The URL was checked to name exactly `cfg.target` when the config was
     // loaded: the replication connection reaches the same server.
-    let mut pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
-        SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
-    })?;
+    let mut pg: tokio_postgres::Config = split_pg_url(url)
+        .url
+        .parse()
+        .map_err(|_| SourceError::Setup(format!("postgres.url is {NOT_A_URL}")))?;
     // TCP keepalives notice a dead host or path on a quiet connection
     // (about 30 s), unless the URL chose its own idle time.
     if pg.get_keepalives_idle() == tokio_postgres::Config::new().get_keepalives_idle() {
@@ -164,16 +166,16 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     let (client, conn) = match tokio::time::timeout(deadline, fut).await {
         Ok(r) => r.map_err(|source| match TlsFailure::find(&source) {
             Some(f) if f.is_permanent() => {
-                SourceError::Setup(tls::postgres_failure(&f, &redact_url(url), cfg.sslmode))
+                SourceError::Setup(tls::postgres_failure(&f, &shown_url(url), cfg.sslmode))
             }
             _ => match source
                 .as_db_error()
-                .and_then(|db| tls::postgres_wants_tls(db.message(), &redact_url(url), cfg.sslmode))
+                .and_then(|db| tls::postgres_wants_tls(db.message(), &shown_url(url), cfg.sslmode))
             {
                 Some(msg) => SourceError::Setup(msg),
                 None => SourceError::Sql {
                     what: "connecting to PostgreSQL".into(),
-                    url: redact_url(url),
+                    url: shown_url(url),
                     source,
                 },
             },
@@ -181,7 +183,7 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
         Err(_) => {
             return Err(SourceError::Timeout(format!(
                 "connecting to PostgreSQL ({})",
-                redact_url(url)
+                shown_url(url)
             )));
         }
     };
@@ -198,7 +200,7 @@ pub fn sql_err(
     cfg: &PostgresConfig,
     what: impl Into<String>,
 ) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
-    let url = redact_url(cfg.url.expose());
+    let url = shown_url(cfg.url.expose());
     let what = what.into();
     move |source| SourceError::Sql { what, url, source }
 }
@@ -244,9 +246,10 @@ async fn open_replication(
     buffer_events: usize,
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
-    let pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
-        SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
-    })?;
+    let pg: tokio_postgres::Config = split_pg_url(url)
+        .url
+        .parse()
+        .map_err(|_| SourceError::Setup(format!("postgres.url is {NOT_A_URL}")))?;
     let user = pg.get_user().unwrap_or("postgres").to_owned();
     let password = pg
         .get_password()
@@ -322,23 +325,21 @@ async fn open_replication(
             {
                 SourceError::Setup(tls::postgres_failure(
                     &TlsFailure::from_text(msg),
-                    &redact_url(url),
+                    &shown_url(url),
                     cfg.sslmode,
                 ))
             }
-            _ => {
-                match tls::postgres_wants_tls(&source.to_string(), &redact_url(url), cfg.sslmode) {
-                    Some(msg) => SourceError::Setup(msg),
-                    None => SourceError::Replication {
-                        url: redact_url(url),
-                        source,
-                    },
-                }
-            }
+            _ => match tls::postgres_wants_tls(&source.to_string(), &shown_url(url), cfg.sslmode) {
+                Some(msg) => SourceError::Setup(msg),
+                None => SourceError::Replication {
+                    url: shown_url(url),
+                    source,
+                },
+            },
         }),
         Err(_) => Err(SourceError::Timeout(format!(
             "opening the replication connection ({})",
-            redact_url(url)
+            shown_url(url)
         ))),
     }
 }
