@@ -2,8 +2,12 @@
 //! replication stream.
 
 pub mod checkpoint_table;
+#[cfg(test)]
+mod hostile;
 pub mod longest_tx;
 pub mod resume;
+#[cfg(test)]
+mod scripted;
 pub mod silence;
 pub mod slot;
 
