@@ -49,7 +49,8 @@ mod postgres;
 use broker::{broker_connect, exchanges};
 use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
-    pg_error_text, postgres_connect, replication_slot, role, slots_and_senders, wal_level,
+    pg_error_text, postgres_connect, replication_slot, role, server_identity, slots_and_senders,
+    wal_level,
 };
 
 /// Deadline of each check (connecting included).
@@ -183,7 +184,7 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
 
     // PostgreSQL.
     let (line, client) = postgres_connect(cfg).await;
-    push(vec![line]);
+    push(vec![line, server_identity(cfg)]);
     match client {
         Some(client) => {
             let pg = &cfg.postgres;

@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::pgurl::PgTarget;
 use crate::template::Template;
 
+mod auth;
 mod env;
 mod outbox;
 mod raw;
@@ -22,6 +23,7 @@ mod secrets;
 mod trust;
 mod types;
 use crate::tls::SslMode;
+pub use auth::{AuthMethod, AuthPolicy};
 use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
 use raw::*;
@@ -229,6 +231,17 @@ impl RawConfig {
             &tls_target,
             ssl_cert_file,
         )?;
+        // Who gets the password: a server that proved who it is (or one
+        // behind a Unix socket), or only what does not reveal it.
+        let verified = matches!(sslmode, SslMode::VerifyCa | SslMode::VerifyFull)
+            || targets.iter().all(|t| matches!(t, PgTarget::Unix { .. }));
+        let (auth_key, auth_written) = match (non_empty(p.require_auth), url_tls.require_auth) {
+            (Some(w), _) => ("postgres.require_auth", Some(w)),
+            (None, Some(w)) => ("postgres.url", Some(w)),
+            (None, None) => ("postgres.require_auth", None),
+        };
+        let require_auth = AuthPolicy::parse(auth_written.as_deref(), verified)
+            .map_err(|e| key_err(auth_key, format!("require_auth {e}")))?;
         check_identifier("postgres.slot", &p.slot)?;
         if !p
             .slot
@@ -398,6 +411,7 @@ impl RawConfig {
                 on_slot_lost,
                 sslmode,
                 ca_file: pg_ca_file,
+                require_auth,
             },
             outboxes,
             rabbitmq: RabbitmqConfig {

@@ -19,8 +19,8 @@ use std::path::PathBuf;
 use tokio_postgres::config::Host;
 
 /// A `postgres://` URL split into the part tokio-postgres understands and
-/// libpq's TLS parameters, which it does not (`verify-ca`, `verify-full`,
-/// `sslrootcert`).
+/// libpq's parameters it does not know (`verify-ca`, `verify-full`,
+/// `sslrootcert`, `require_auth`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PgUrl {
     /// The URL without `sslmode` and `sslrootcert`.
@@ -29,6 +29,8 @@ pub struct PgUrl {
     pub sslmode: Option<String>,
     /// `sslrootcert=`, percent-decoded.
     pub sslrootcert: Option<String>,
+    /// `require_auth=`, percent-decoded.
+    pub require_auth: Option<String>,
 }
 
 /// Where the query string of a `postgres://` URL starts, found as
@@ -44,23 +46,25 @@ fn query_start(url: &str) -> Option<usize> {
         .map(|q| after_scheme + host_start + q)
 }
 
-/// Splits `sslmode` and `sslrootcert` out of the URL's query string.
+/// Splits `sslmode`, `sslrootcert` and `require_auth` out of the URL's query string.
 pub fn split_pg_url(url: &str) -> PgUrl {
     let Some(q) = query_start(url) else {
         return PgUrl {
             url: url.to_owned(),
             sslmode: None,
             sslrootcert: None,
+            require_auth: None,
         };
     };
     let (base, query) = (&url[..q], &url[q + 1..]);
-    let (mut sslmode, mut sslrootcert) = (None, None);
+    let (mut sslmode, mut sslrootcert, mut require_auth) = (None, None, None);
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         match percent_decode(k).as_str() {
             "sslmode" => sslmode = Some(percent_decode(v)),
             "sslrootcert" => sslrootcert = Some(percent_decode(v)),
+            "require_auth" => require_auth = Some(percent_decode(v)),
             _ => kept.push(pair),
         }
     }
@@ -73,6 +77,7 @@ pub fn split_pg_url(url: &str) -> PgUrl {
         url,
         sslmode,
         sslrootcert,
+        require_auth,
     }
 }
 
