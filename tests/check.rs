@@ -431,3 +431,90 @@ async fn lost_slot_fails_naming_recover() {
     ]);
     assert_eq!(c.fails().len(), 1, "{c}");
 }
+
+/// A server that asks every client for its password in the clear (issue
+/// 25, C12): answers an SSLRequest with `N`, the startup with
+/// `AuthenticationCleartextPassword`, then records whether a password
+/// message (`p`) ever came, one report per connection.
+fn cleartext_asker() -> (u16, std::sync::mpsc::Receiver<bool>) {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let packet = |s: &mut std::net::TcpStream| -> Option<Vec<u8>> {
+                    let mut len = [0u8; 4];
+                    s.read_exact(&mut len).ok()?;
+                    let mut body = vec![0u8; u32::from_be_bytes(len) as usize - 4];
+                    s.read_exact(&mut body).ok()?;
+                    Some(body)
+                };
+                let Some(mut body) = packet(&mut s) else {
+                    return;
+                };
+                if body[..4] == 80877103u32.to_be_bytes() {
+                    s.write_all(b"N").unwrap();
+                    let Some(next) = packet(&mut s) else { return };
+                    body = next;
+                }
+                let _ = body;
+                s.write_all(&[b'R', 0, 0, 0, 8, 0, 0, 0, 3]).unwrap();
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                let _ = tx.send(rest.first() == Some(&b'p'));
+            });
+        }
+    });
+    (port, rx)
+}
+
+#[test]
+fn a_server_asking_for_a_cleartext_password_gets_nothing() {
+    let secret = "Sup3rS3cretCleartext";
+    let (port, answered) = cleartext_asker();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[postgres]\nurl = \"postgres://relay:{secret}@127.0.0.1:{port}/app\"\n\
+             [rabbitmq]\nurl = \"amqp://guest:guest@127.0.0.1:1/%2f\"\nexchange = \"x\"\n"
+        ),
+    )
+    .unwrap();
+    let c = run_check(check_cmd(&config));
+    c.assert_fails_with(&[
+        "PostgreSQL reachable",
+        "the password in the clear",
+        "postgres.sslmode",
+    ]);
+    c.assert_hides(secret);
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with("warn postgres.sslmode = prefer")),
+        "{c}"
+    );
+    let mut run = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    run.arg("run").arg("--config").arg(&config);
+    let r = run_check(run);
+    assert!(r.code.is_some_and(|c| c != 0), "{r}");
+    assert!(
+        r.stderr.contains("postgres.sslmode") || r.stdout.contains("postgres.sslmode"),
+        "{r}"
+    );
+    r.assert_hides(secret);
+    let first = answered
+        .recv_timeout(Duration::from_secs(30))
+        .expect("nobody connected");
+    let answers: Vec<bool> = std::iter::once(first).chain(answered.try_iter()).collect();
+    assert!(
+        answers.iter().all(|sent| !sent),
+        "a password was sent: {answers:?}"
+    );
+}
