@@ -24,7 +24,7 @@
 //!    exchange when configured.
 //!
 //! Each check has its own deadline ([`CHECK_TIMEOUT`]). Passwords are never
-//! printed: URLs go through [`redact_url`], and errors from the drivers do
+//! printed: URLs go through [`shown_url`], and errors from the drivers do
 //! not carry them.
 
 use std::fmt;
@@ -39,7 +39,7 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
-use crate::config::{Config, OutboxConfig, TableName, quote_ident, redact_url};
+use crate::config::{Config, OutboxConfig, TableName, quote_ident, shown_url};
 use crate::outbox::PayloadKind;
 use crate::source::{SourceError, connect_sql, slot};
 use crate::tls::TlsFailure;
@@ -50,8 +50,8 @@ mod postgres;
 use broker::{broker_connect, exchanges};
 use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
-    checkpoint_table, pg_error_text, postgres_connect, replication_slot, role, slots_and_senders,
-    wal_level,
+    checkpoint_table, pg_error_text, postgres_connect, replication_slot, role, server_identity,
+    slots_and_senders, wal_level,
 };
 
 /// Deadline of each check (connecting included).
@@ -185,7 +185,7 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
 
     // PostgreSQL.
     let (line, client) = postgres_connect(cfg).await;
-    push(vec![line]);
+    push(vec![line, server_identity(cfg)]);
     match client {
         Some(client) => {
             let pg = &cfg.postgres;

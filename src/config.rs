@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::pgurl::PgTarget;
 use crate::template::Template;
 
+mod auth;
 mod env;
 mod outbox;
 mod raw;
@@ -22,6 +23,7 @@ mod secrets;
 mod trust;
 mod types;
 use crate::tls::SslMode;
+pub use auth::{AuthMethod, AuthPolicy};
 use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
 use raw::*;
@@ -104,8 +106,9 @@ impl fmt::Debug for Secret {
     }
 }
 
-use crate::redact::query_has_password;
-pub use crate::redact::redact_url;
+use crate::pgurl::query_has_password;
+use crate::redact::NOT_A_URL;
+pub use crate::redact::shown_url;
 
 impl Config {
     /// Each outbox's dead-letter exchange, by index (what the publisher
@@ -180,7 +183,7 @@ impl RawConfig {
         let parsed = url_tls
             .url
             .parse::<tokio_postgres::Config>()
-            .map_err(|e| key_err("postgres.url", format!("not a valid PostgreSQL URL: {e}")))?;
+            .map_err(|_| key_err("postgres.url", format!("is {NOT_A_URL}")))?;
         let targets = PgTarget::all(&parsed).map_err(|e| key_err("postgres.url", e))?;
         let read_write = parsed.get_target_session_attrs()
             == tokio_postgres::config::TargetSessionAttrs::ReadWrite;
@@ -228,6 +231,17 @@ impl RawConfig {
             &tls_target,
             ssl_cert_file,
         )?;
+        // Who gets the password: a server that proved who it is (or one
+        // behind a Unix socket), or only what does not reveal it.
+        let verified = matches!(sslmode, SslMode::VerifyCa | SslMode::VerifyFull)
+            || targets.iter().all(|t| matches!(t, PgTarget::Unix { .. }));
+        let (auth_key, auth_written) = match (non_empty(p.require_auth), url_tls.require_auth) {
+            (Some(w), _) => ("postgres.require_auth", Some(w)),
+            (None, Some(w)) => ("postgres.url", Some(w)),
+            (None, None) => ("postgres.require_auth", None),
+        };
+        let require_auth = AuthPolicy::parse(auth_written.as_deref(), verified)
+            .map_err(|e| key_err(auth_key, format!("require_auth {e}")))?;
         check_identifier("postgres.slot", &p.slot)?;
         if !p
             .slot
@@ -266,12 +280,8 @@ impl RawConfig {
                     "expected a URL of the form amqp://user:password@host:port/vhost",
                 ));
             }
-            url.parse::<lapin::uri::AMQPUri>().map_err(|e| {
-                key_err(
-                    "rabbitmq.url",
-                    format!("{} is not a valid AMQP URL: {e}", redact_url(url)),
-                )
-            })?;
+            crate::sink::parse_amqp_url(url)
+                .map_err(|_| key_err("rabbitmq.url", format!("is {NOT_A_URL}")))?;
         }
         let any_amqps = urls.iter().any(|u| u.starts_with("amqps://"));
         // amqps:// trusts the configured CA alone (a private CA pins the
@@ -401,6 +411,7 @@ impl RawConfig {
                 on_slot_lost,
                 sslmode,
                 ca_file: pg_ca_file,
+                require_auth,
             },
             outboxes,
             rabbitmq: RabbitmqConfig {

@@ -19,8 +19,8 @@ use std::path::PathBuf;
 use tokio_postgres::config::Host;
 
 /// A `postgres://` URL split into the part tokio-postgres understands and
-/// libpq's TLS parameters, which it does not (`verify-ca`, `verify-full`,
-/// `sslrootcert`).
+/// libpq's parameters it does not know (`verify-ca`, `verify-full`,
+/// `sslrootcert`, `require_auth`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PgUrl {
     /// The URL without `sslmode` and `sslrootcert`.
@@ -29,6 +29,8 @@ pub struct PgUrl {
     pub sslmode: Option<String>,
     /// `sslrootcert=`, percent-decoded.
     pub sslrootcert: Option<String>,
+    /// `require_auth=`, percent-decoded.
+    pub require_auth: Option<String>,
 }
 
 /// Where the query string of a `postgres://` URL starts, found as
@@ -44,23 +46,25 @@ fn query_start(url: &str) -> Option<usize> {
         .map(|q| after_scheme + host_start + q)
 }
 
-/// Splits `sslmode` and `sslrootcert` out of the URL's query string.
+/// Splits `sslmode`, `sslrootcert` and `require_auth` out of the URL's query string.
 pub fn split_pg_url(url: &str) -> PgUrl {
     let Some(q) = query_start(url) else {
         return PgUrl {
             url: url.to_owned(),
             sslmode: None,
             sslrootcert: None,
+            require_auth: None,
         };
     };
     let (base, query) = (&url[..q], &url[q + 1..]);
-    let (mut sslmode, mut sslrootcert) = (None, None);
+    let (mut sslmode, mut sslrootcert, mut require_auth) = (None, None, None);
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         match percent_decode(k).as_str() {
             "sslmode" => sslmode = Some(percent_decode(v)),
             "sslrootcert" => sslrootcert = Some(percent_decode(v)),
+            "require_auth" => require_auth = Some(percent_decode(v)),
             _ => kept.push(pair),
         }
     }
@@ -73,7 +77,17 @@ pub fn split_pg_url(url: &str) -> PgUrl {
         url,
         sslmode,
         sslrootcert,
+        require_auth,
     }
+}
+
+/// True when the query of a `postgres://` URL sets `password`, as
+/// tokio-postgres reads the keys: percent-decoded (`?pass%77ord=` too).
+pub fn query_has_password(url: &str) -> bool {
+    query_start(url).is_some_and(|q| {
+        (url[q + 1..].split('&'))
+            .any(|pair| percent_decode(pair.split_once('=').map_or(pair, |(k, _)| k)) == "password")
+    })
 }
 
 fn percent_decode(s: &str) -> String {
@@ -243,7 +257,7 @@ impl PgTarget {
         let pg: tokio_postgres::Config = split_pg_url(url)
             .url
             .parse()
-            .map_err(|e| format!("is not a valid PostgreSQL URL: {e}"))?;
+            .map_err(|_| format!("is {}", crate::redact::NOT_A_URL))?;
         PgTarget::of(&pg)
     }
 }
@@ -279,6 +293,17 @@ mod tests {
         assert_eq!(u.sslmode, None);
         assert_eq!(percent_decode("a%2"), "a%2");
         assert_eq!(percent_decode("%41%zz"), "A%zz");
+
+        for (url, has) in [
+            ("postgres://u@db/app?password=x", true),
+            ("postgres://u@db/app?sslmode=require&pass%77ord=x", true),
+            ("postgres://u@db/app?%70assword=x", true),
+            ("postgres://u:x@db/app?sslmode=require", false),
+            ("postgres://u:a?password=b@db/app", false),
+            ("postgres://u@db/app?old_password=x", false),
+        ] {
+            assert_eq!(query_has_password(url), has, "{url}");
+        }
     }
 
     #[test]

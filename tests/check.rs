@@ -115,8 +115,12 @@ async fn good_setup_is_all_ok() {
         };
         at += i + 1;
     }
-    // URLs are shown with the password masked.
-    assert!(c.stdout.contains(":****@"), "{c}");
+    // URLs are shown rebuilt from their parts, without the password.
+    assert!(
+        c.stdout.contains("reachable at postgres://postgres@"),
+        "{c}"
+    );
+    assert!(c.stdout.contains("reachable at amqp://guest@"), "{c}");
     assert!(!c.stdout.contains(":postgres@"), "{c}");
     assert!(!c.stdout.contains(":guest@"), "{c}");
     fx.cleanup().await;
@@ -265,6 +269,59 @@ async fn bad_amqp_password_fails_without_printing_it() {
             .any(|l| l.starts_with("warn RabbitMQ checks skipped")),
         "{c}"
     );
+    fx.cleanup().await;
+}
+
+/// The shapes URL masking missed (issue 25, C11): percent-encoded query
+/// keys, a value that only `&` ends, an AMQP URL without a host. Neither
+/// `check` nor `setup` prints the password the driver would send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_url_shape_prints_its_password() {
+    let fx = Fixture::new("chk_shapes").await;
+    let secret = "Sup3rS3cretShape";
+    let pg = pg_url().replace(":postgres@", "@");
+    let pg = |query: &str| format!("{pg}{}{query}", if pg.contains('?') { '&' } else { '?' });
+    let shapes = [
+        (
+            "OUTBOX_RELAY_POSTGRES_URL",
+            pg(&format!("pass%77ord={secret}")),
+        ),
+        (
+            "OUTBOX_RELAY_POSTGRES_URL",
+            pg(&format!("%70assword={secret}")),
+        ),
+        (
+            "OUTBOX_RELAY_POSTGRES_URL",
+            pg(&format!("password=ab#{secret}")),
+        ),
+        (
+            "OUTBOX_RELAY_RABBITMQ_URL",
+            format!("amqp://guest:{secret}"),
+        ),
+    ];
+    for (var, url) in &shapes {
+        let c = check(&fx, &[(var, url)]);
+        c.assert_hides(secret);
+        if var.contains("POSTGRES") {
+            // The driver sent the password (and the server refused it).
+            c.assert_fails_with(&[
+                "PostgreSQL reachable at postgres://postgres@",
+                "password authentication failed",
+            ]);
+        } else {
+            assert!(
+                c.code != Some(0)
+                    && c.stderr.contains("rabbitmq.url")
+                    && c.stderr.contains("not a valid URL"),
+                "{c}"
+            );
+        }
+        let mut setup = fx.relay_cmd("setup");
+        setup.env(var, url);
+        let s = run_check(setup);
+        assert_ne!(s.code, Some(0), "{s}");
+        s.assert_hides(secret);
+    }
     fx.cleanup().await;
 }
 
@@ -569,4 +626,91 @@ async fn least_privilege_role_relays_and_cannot_take_a_base_backup() {
     let _ = pg
         .batch_execute(&format!("DROP SCHEMA {hijack} CASCADE"))
         .await;
+}
+
+/// A server that asks every client for its password in the clear (issue
+/// 25, C12): answers an SSLRequest with `N`, the startup with
+/// `AuthenticationCleartextPassword`, then records whether a password
+/// message (`p`) ever came, one report per connection.
+fn cleartext_asker() -> (u16, std::sync::mpsc::Receiver<bool>) {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let packet = |s: &mut std::net::TcpStream| -> Option<Vec<u8>> {
+                    let mut len = [0u8; 4];
+                    s.read_exact(&mut len).ok()?;
+                    let mut body = vec![0u8; u32::from_be_bytes(len) as usize - 4];
+                    s.read_exact(&mut body).ok()?;
+                    Some(body)
+                };
+                let Some(mut body) = packet(&mut s) else {
+                    return;
+                };
+                if body[..4] == 80877103u32.to_be_bytes() {
+                    s.write_all(b"N").unwrap();
+                    let Some(next) = packet(&mut s) else { return };
+                    body = next;
+                }
+                let _ = body;
+                s.write_all(&[b'R', 0, 0, 0, 8, 0, 0, 0, 3]).unwrap();
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                let _ = tx.send(rest.first() == Some(&b'p'));
+            });
+        }
+    });
+    (port, rx)
+}
+
+#[test]
+fn a_server_asking_for_a_cleartext_password_gets_nothing() {
+    let secret = "Sup3rS3cretCleartext";
+    let (port, answered) = cleartext_asker();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[postgres]\nurl = \"postgres://relay:{secret}@127.0.0.1:{port}/app\"\n\
+             [rabbitmq]\nurl = \"amqp://guest:guest@127.0.0.1:1/%2f\"\nexchange = \"x\"\n"
+        ),
+    )
+    .unwrap();
+    let c = run_check(check_cmd(&config));
+    c.assert_fails_with(&[
+        "PostgreSQL reachable",
+        "the password in the clear",
+        "postgres.sslmode",
+    ]);
+    c.assert_hides(secret);
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with("warn postgres.sslmode = prefer")),
+        "{c}"
+    );
+    let mut run = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    run.arg("run").arg("--config").arg(&config);
+    let r = run_check(run);
+    assert!(r.code.is_some_and(|c| c != 0), "{r}");
+    assert!(
+        r.stderr.contains("postgres.sslmode") || r.stdout.contains("postgres.sslmode"),
+        "{r}"
+    );
+    r.assert_hides(secret);
+    let first = answered
+        .recv_timeout(Duration::from_secs(30))
+        .expect("nobody connected");
+    let answers: Vec<bool> = std::iter::once(first).chain(answered.try_iter()).collect();
+    assert!(
+        answers.iter().all(|sent| !sent),
+        "a password was sent: {answers:?}"
+    );
 }

@@ -32,10 +32,10 @@ pub(super) fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> 
 }
 
 pub(super) async fn broker_connect(cfg: &Config, url: &str) -> (Line, Option<Connection>) {
-    let what = format!("RabbitMQ reachable at {}", redact_url(url));
+    let what = format!("RabbitMQ reachable at {}", shown_url(url));
     let uri = match crate::sink::parse_amqp_url(url) {
         Ok(u) => u,
-        Err(e) => return (Line::fail(what, format!("not a valid AMQP URL: {e}")), None),
+        Err(_) => return (Line::fail(what, crate::redact::NOT_A_URL), None),
     };
     let (user, vhost) = (uri.authority.userinfo.username.clone(), uri.vhost.clone());
     let props = ConnectionProperties::default().with_connection_name("outbox-relay check".into());
@@ -60,7 +60,7 @@ pub(super) async fn broker_connect(cfg: &Config, url: &str) -> (Line, Option<Con
             let shake = crate::tls::rabbitmq_handshake(host, port, roots);
             if let Ok(Err(e)) = tokio::time::timeout(CHECK_TIMEOUT, shake).await {
                 if let Some(f) = TlsFailure::find(&e).filter(TlsFailure::is_permanent) {
-                    let msg = crate::tls::rabbitmq_failure(&f, &redact_url(url));
+                    let msg = crate::tls::rabbitmq_failure(&f, &shown_url(url));
                     return (Line::fail(what, msg), None);
                 }
             }

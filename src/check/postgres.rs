@@ -21,8 +21,31 @@ pub(super) fn pg_error_text(e: &tokio_postgres::Error) -> String {
     s
 }
 
+/// Whether PostgreSQL proves who it is: a warning for every `sslmode`
+/// that authenticates no server.
+pub(super) fn server_identity(cfg: &Config) -> Line {
+    use crate::tls::SslMode;
+    let pg = &cfg.postgres;
+    let what = format!("postgres.sslmode = {}", pg.sslmode);
+    let unix = (pg.targets.iter()).all(|t| matches!(t, crate::pgurl::PgTarget::Unix { .. }));
+    match pg.sslmode {
+        SslMode::VerifyCa | SslMode::VerifyFull => Line::ok(
+            what,
+            "the server's certificate is verified against postgres.ca_file",
+        ),
+        _ if unix => Line::ok(what, "a Unix socket: its directory vouches for the server"),
+        _ => Line::warn(
+            what,
+            "authenticates no server: whoever answers at its address gets the connection and \
+             what it carries (the relay never sends it the password in the clear or as MD5, \
+             and SCRAM does not reveal it); set postgres.sslmode = \"verify-full\" with \
+             postgres.ca_file",
+        ),
+    }
+}
+
 pub(super) async fn postgres_connect(cfg: &Config) -> (Line, Option<Client>) {
-    let url = redact_url(cfg.postgres.url.expose());
+    let url = shown_url(cfg.postgres.url.expose());
     let what = format!("PostgreSQL reachable at {url}");
     // connect_sql has its own deadline (15 s), the same as CHECK_TIMEOUT.
     let client = match connect_sql(&cfg.postgres).await {

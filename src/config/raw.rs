@@ -30,6 +30,8 @@ pub(super) struct RawPostgres {
     #[serde(default)]
     pub(super) sslmode: Option<String>,
     #[serde(default)]
+    pub(super) require_auth: Option<String>,
+    #[serde(default)]
     pub(super) ca_file: Option<String>,
     #[serde(default)]
     pub(super) password_file: Option<String>,

@@ -547,3 +547,39 @@ fn rabbitmq_url_takes_a_list_of_nodes() {
     .to_string();
     assert!(err.contains("rabbitmq.url"), "{err}");
 }
+
+#[test]
+fn require_auth_comes_from_the_config_or_the_url() {
+    use crate::config::AuthMethod;
+    let c = load(MINIMAL, &[]).unwrap();
+    assert!(!c.postgres.require_auth.allows(AuthMethod::Password));
+    assert!(!c.postgres.require_auth.allows(AuthMethod::Md5));
+    assert!(c.postgres.require_auth.allows(AuthMethod::ScramSha256));
+    let url = "postgres://relay:s3cret@127.0.0.1:5432/app?require_auth=scram-sha-256";
+    let c = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_URL", url)]).unwrap();
+    assert!(!c.postgres.require_auth.allows(AuthMethod::None));
+    let c = load(
+        MINIMAL,
+        &[
+            ("OUTBOX_RELAY_POSTGRES_URL", url),
+            ("OUTBOX_RELAY_POSTGRES_REQUIRE_AUTH", "none"),
+        ],
+    )
+    .unwrap();
+    assert!(c.postgres.require_auth.allows(AuthMethod::None));
+    assert!(!c.postgres.require_auth.allows(AuthMethod::ScramSha256));
+    // Password or MD5 to a server nobody verified: refused, naming the key.
+    let e = load(MINIMAL, &[("OUTBOX_RELAY_POSTGRES_REQUIRE_AUTH", "md5")]).unwrap_err();
+    assert!(e.to_string().contains("postgres.require_auth"), "{e}");
+    assert!(e.to_string().contains("verify-full"), "{e}");
+    // Over a Unix socket only, the socket's directory vouches for the server.
+    let c = load(
+        MINIMAL,
+        &[(
+            "OUTBOX_RELAY_POSTGRES_URL",
+            "postgres://relay@%2Frun%2Fpostgresql/app",
+        )],
+    )
+    .unwrap();
+    assert!(c.postgres.require_auth.allows(AuthMethod::Md5));
+}

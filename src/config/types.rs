@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{OutboxConfig, Secret};
+use super::{AuthPolicy, OutboxConfig, Secret};
 use crate::pgurl::PgTarget;
 use crate::template::Template;
 use crate::tls::SslMode;
@@ -62,6 +62,10 @@ pub struct PostgresConfig {
     /// certificates are the only ones trusted; `None`: nothing is verified
     /// (only allowed with `disable`, `prefer` and `require`).
     pub ca_file: Option<PathBuf>,
+    /// The authentication requests both connections answer:
+    /// `postgres.require_auth` (or `require_auth=` in the URL), never a
+    /// cleartext or MD5 password to a server nobody verified.
+    pub require_auth: AuthPolicy,
     /// The servers of `url`, in order: the connections go to the first
     /// that answers (and is the primary, with `read_write`).
     pub targets: Vec<PgTarget>,

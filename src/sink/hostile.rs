@@ -13,10 +13,10 @@ use tokio::io::AsyncWriteExt;
 use super::scripted::{Peer, broker, connect, message, next_event};
 use super::wire::{Target, Wire, WireError, nesting, watch_peer};
 
-/// A `connection.start` whose server properties nest an array `depth`
-/// levels deep (5 bytes a level): a recursive parser needs a stack frame
-/// or more for each.
-fn nested_start(depth: usize) -> Vec<u8> {
+/// A field table `{x: [[[...]]]}` whose array nests `depth` levels deep
+/// (5 bytes a level), with its length: a recursive parser needs a stack
+/// frame or more for each level.
+fn nested_table(depth: usize) -> Vec<u8> {
     // The innermost array is empty; each level wraps the one inside.
     let mut value = vec![b'A', 0, 0, 0, 0];
     for _ in 1..depth {
@@ -28,27 +28,45 @@ fn nested_start(depth: usize) -> Vec<u8> {
     }
     let mut table = vec![1, b'x'];
     table.extend_from_slice(&value);
-    let mut args = vec![0, 10, 0, 10, 0, 9];
-    args.extend_from_slice(&(table.len() as u32).to_be_bytes());
-    args.extend_from_slice(&table);
-    for text in ["PLAIN", "en_US"] {
-        args.extend_from_slice(&(text.len() as u32).to_be_bytes());
-        args.extend_from_slice(text.as_bytes());
-    }
+    let mut out = (table.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(&table);
+    out
+}
+
+/// A method frame on channel 0 with these arguments.
+fn method_frame(args: &[u8]) -> Vec<u8> {
     let mut frame = vec![1, 0, 0];
     frame.extend_from_slice(&(args.len() as u32).to_be_bytes());
-    frame.extend_from_slice(&args);
+    frame.extend_from_slice(args);
     frame.push(0xCE);
     frame
 }
 
-/// 25,000 levels fit in one 128 KiB frame and overflow an 8 MiB stack
-/// when parsed recursively on it: the handshake goes on (or fails), the
-/// process does not abort. Run on a small stack to make the point.
-#[test]
-fn a_deeply_nested_frame_does_not_overflow_the_stack() {
-    let frame = nested_start(25_000);
-    assert!(frame.len() < 131_072, "{} bytes", frame.len());
+/// A `connection.start` whose server properties nest `depth` levels deep.
+fn nested_start(depth: usize) -> Vec<u8> {
+    let mut args = vec![0, 10, 0, 10, 0, 9];
+    args.extend_from_slice(&nested_table(depth));
+    for text in ["PLAIN", "en_US"] {
+        args.extend_from_slice(&(text.len() as u32).to_be_bytes());
+        args.extend_from_slice(text.as_bytes());
+    }
+    method_frame(&args)
+}
+
+/// An `exchange.declare` (a client's method) whose arguments nest `depth`
+/// levels deep.
+fn nested_exchange_declare(depth: usize) -> Vec<u8> {
+    let mut args = vec![0, 40, 0, 10, 0, 0, 1, b'x', 6];
+    args.extend_from_slice(b"direct");
+    args.push(0);
+    args.extend_from_slice(&nested_table(depth));
+    method_frame(&args)
+}
+
+/// Runs `client` against a broker that sends `frame` and closes, on a
+/// thread with a 2 MiB stack: small enough that a deep value on it would
+/// overflow it; returns the handshake's error.
+fn handshake_after(frame: Vec<u8>) -> WireError {
     let run = move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -63,18 +81,46 @@ fn a_deeply_nested_frame_does_not_overflow_the_stack() {
                 tls: None,
                 connection_name: "deep".into(),
             };
-            // The start parses; the stream then ends before a tune.
             let e = Wire::handshake_over(ours, &target).await.unwrap_err();
-            assert!(matches!(e, WireError::Eof | WireError::Io(_)), "{e}");
             drop(theirs);
-        });
+            e
+        })
     };
     std::thread::Builder::new()
         .stack_size(2 << 20)
         .spawn(run)
         .unwrap()
         .join()
-        .expect("the handshake thread failed");
+        .expect("the handshake thread failed")
+}
+
+/// 25,000 levels fit in one 128 KiB frame and overflow an 8 MiB stack
+/// when parsed recursively on it: the handshake goes on (or fails), the
+/// process does not abort. Run on a small stack to make the point.
+#[test]
+fn a_deeply_nested_frame_does_not_overflow_the_stack() {
+    let frame = nested_start(25_000);
+    assert!(frame.len() < 131_072, "{} bytes", frame.len());
+    // The start parses; the stream then ends before a tune.
+    let e = handshake_after(frame);
+    assert!(matches!(e, WireError::Eof | WireError::Io(_)), "{e}");
+}
+
+/// Not only `connection.start`: any method whose arguments hold a table
+/// (here `exchange.declare`, which only a client sends) nested 25,000
+/// levels deep is refused without its value reaching the caller's stack.
+#[test]
+fn a_deeply_nested_table_in_any_method_does_not_overflow_the_stack() {
+    let frame = nested_exchange_declare(25_000);
+    assert!(frame.len() < 131_072, "{} bytes", frame.len());
+    let e = handshake_after(frame);
+    assert!(
+        matches!(&e, WireError::Protocol(m) if m.contains("client's method")),
+        "{e}"
+    );
+    // Shallow, the same method is just unexpected.
+    let e = handshake_after(nested_exchange_declare(3));
+    assert!(!e.to_string().contains("client's method"), "{e}");
 }
 
 /// A body frame's payload is opaque bytes: its `F`s are no tables, so a

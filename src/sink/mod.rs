@@ -31,8 +31,9 @@ pub use unconfirmed::Unconfirmed;
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::config::{RabbitmqConfig, redact_url};
+use crate::config::{RabbitmqConfig, shown_url};
 use crate::message::{Envelope, MessageView};
+use crate::redact::NOT_A_URL;
 use crate::tls::{self, TlsFailure};
 use nodes::Nodes;
 use replies::Disposition;
@@ -185,7 +186,7 @@ impl AmqpSink {
         let several = cfg.urls.len() > 1;
         let mut failed: Option<SinkError> = None;
         for node in nodes.attempts() {
-            let url = redact_url(cfg.urls[node].expose());
+            let url = shown_url(cfg.urls[node].expose());
             match Self::connect_node(cfg, node, name).await {
                 Ok(sink) => {
                     info!(node = %url, "connected to RabbitMQ");
@@ -210,14 +211,18 @@ impl AmqpSink {
         name: &str,
     ) -> Result<AmqpSink, SinkError> {
         let secret = cfg.urls[node].expose();
-        let url = redact_url(secret);
+        let url = shown_url(secret);
         let amqp = |what, source| SinkError::Amqp {
             what,
             url: url.clone(),
             source,
         };
-        let uri = parse_amqp_url(secret)
-            .map_err(|e: String| amqp("parsing rabbitmq.url", WireError::Unsupported(e)))?;
+        let uri = parse_amqp_url(secret).map_err(|_| {
+            amqp(
+                "parsing rabbitmq.url",
+                WireError::Unsupported(NOT_A_URL.into()),
+            )
+        })?;
         // `ca_file` is set when any URL is amqps:// (the configured CA, or
         // the system bundle), and trusted alone.
         let tls = match (&uri.scheme, cfg.ca_file.as_deref()) {

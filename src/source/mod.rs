@@ -1,21 +1,31 @@
 //! The PostgreSQL side: a plain SQL connection for setup and status, and the
 //! replication stream.
 
+mod auth_guard;
 pub mod checkpoint_table;
 pub mod coverage;
+#[cfg(test)]
+mod hostile;
+#[cfg(test)]
+mod impostor;
 pub mod longest_tx;
 pub mod resume;
+#[cfg(test)]
+mod scripted;
 pub mod silence;
 pub mod slot;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
 
-use crate::config::{PostgresConfig, quote_ident, redact_url};
+use crate::config::{AuthMethod, PostgresConfig, quote_ident, shown_url};
 use crate::lsn::Lsn;
 use crate::pgurl::{PgTarget, split_pg_url};
+use crate::redact::NOT_A_URL;
 use crate::tls::{self, TlsFailure};
+use auth_guard::{AuthGuard, AuthRefused, GuardedTls};
 
 /// What went wrong on the PostgreSQL side.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +47,15 @@ pub enum SourceError {
         url: String,
         /// pgwire-replication's error.
         source: pgwire_replication::PgWireError,
+    },
+    /// A server of the URL could not be reached (or was a standby where
+    /// the primary is wanted): worth retrying.
+    #[error("connecting to PostgreSQL at {server}: {source}")]
+    Connect {
+        /// The server, as `host:port`.
+        server: String,
+        /// What the socket said.
+        source: std::io::Error,
     },
     /// The server did not answer in time (hung host, lost packets,
     /// failover in progress): worth retrying.
@@ -119,6 +138,7 @@ impl SourceError {
             | SourceError::Moved(_)
             | SourceError::Stalled(_)
             | SourceError::SlotBusy { .. }
+            | SourceError::Connect { .. }
             | SourceError::Timeout(_) => true,
             // Not retried by a session: `run` goes back to finishing it.
             SourceError::RecoveryPending(_) => false,
@@ -147,9 +167,10 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     // The URL was validated with the same split when the config was loaded.
     // The URL was checked to name exactly `cfg.target` when the config was
     // loaded: the replication connection reaches the same server.
-    let mut pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
-        SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
-    })?;
+    let mut pg: tokio_postgres::Config = split_pg_url(url)
+        .url
+        .parse()
+        .map_err(|_| SourceError::Setup(format!("postgres.url is {NOT_A_URL}")))?;
     // After any options of the URL's, so that ours win.
     let options = match pg.get_options() {
         Some(theirs) if !theirs.trim().is_empty() => format!("{theirs} {SESSION_OPTIONS}"),
@@ -176,37 +197,153 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     );
     let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
         .map_err(|e| SourceError::Setup(format!("postgres.ca_file: {e}")))?;
-    let fut = pg.connect(connector);
-    let (client, conn) = match tokio::time::timeout(deadline, fut).await {
-        Ok(r) => r.map_err(|source| match TlsFailure::find(&source) {
+    let explain = |source: tokio_postgres::Error| {
+        if let Some(refused) = AuthRefused::find(&source) {
+            return SourceError::Setup(format!("SQL connection to {}: {refused}", shown_url(url)));
+        }
+        match TlsFailure::find(&source) {
             Some(f) if f.is_permanent() => {
-                SourceError::Setup(tls::postgres_failure(&f, &redact_url(url), cfg.sslmode))
+                SourceError::Setup(tls::postgres_failure(&f, &shown_url(url), cfg.sslmode))
             }
             _ => match source
                 .as_db_error()
-                .and_then(|db| tls::postgres_wants_tls(db.message(), &redact_url(url), cfg.sslmode))
+                .and_then(|db| tls::postgres_wants_tls(db.message(), &shown_url(url), cfg.sslmode))
             {
                 Some(msg) => SourceError::Setup(msg),
                 None => SourceError::Sql {
                     what: "connecting to PostgreSQL".into(),
-                    url: redact_url(url),
+                    url: shown_url(url),
                     source,
                 },
             },
-        })?,
-        Err(_) => {
-            return Err(SourceError::Timeout(format!(
-                "connecting to PostgreSQL ({})",
-                redact_url(url)
-            )));
         }
     };
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "SQL connection closed");
+    let fut = connect_guarded(&pg, cfg, connector, explain);
+    match tokio::time::timeout(deadline, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(SourceError::Timeout(format!(
+            "connecting to PostgreSQL ({})",
+            shown_url(url)
+        ))),
+    }
+}
+
+/// The servers of `postgres.url` in order, as tokio-postgres's `connect`
+/// tries them (each with its own connect deadline and TCP keepalive, the
+/// primary only with `target_session_attrs=read-write`), over sockets the
+/// relay opens itself: so that both ends of the startup are read by an
+/// [`AuthGuard`], which holds the server to `postgres.require_auth`.
+async fn connect_guarded(
+    pg: &tokio_postgres::Config,
+    cfg: &PostgresConfig,
+    mut tls: tokio_postgres_rustls::MakeRustlsConnect,
+    explain: impl Fn(tokio_postgres::Error) -> SourceError,
+) -> Result<tokio_postgres::Client, SourceError> {
+    use tokio_postgres::tls::MakeTlsConnect;
+    let policy = Arc::new(cfg.require_auth.clone());
+    let mut failed = None;
+    for target in &cfg.targets {
+        let (socket, name) = match open_socket(pg, target).await {
+            Ok(s) => s,
+            Err(source) => {
+                failed = Some(SourceError::Connect {
+                    server: target.to_string(),
+                    source,
+                });
+                continue;
+            }
+        };
+        let connector = MakeTlsConnect::<AuthGuard<Socket>>::make_tls_connect(&mut tls, &name)
+            .map_err(|e| SourceError::Setup(format!("postgres.url: {e}")))?;
+        let guarded = AuthGuard::socket(socket, policy.clone());
+        let (client, conn) = match pg
+            .connect_raw(guarded, GuardedTls::new(connector, policy.clone()))
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                let e = explain(e);
+                if !e.is_transient() {
+                    return Err(e);
+                }
+                failed = Some(e);
+                continue;
+            }
+        };
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "SQL connection closed");
+            }
+        });
+        if cfg.read_write {
+            let rows = client
+                .simple_query("SHOW transaction_read_only")
+                .await
+                .map_err(&explain)?;
+            let read_only = rows.iter().any(|m| {
+                matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("on"))
+            });
+            if read_only {
+                failed = Some(SourceError::Connect {
+                    server: target.to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        "database does not allow writes (a standby)",
+                    ),
+                });
+                continue;
+            }
         }
-    });
-    Ok(client)
+        return Ok(client);
+    }
+    Err(failed.expect("postgres.url names at least one server"))
+}
+
+/// A socket to one server of the URL.
+type Socket = Box<dyn SocketIo>;
+trait SocketIo: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> SocketIo for T {}
+
+/// Connects to `target` within the URL's connect deadline, with its TCP
+/// keepalive; also returns the name TLS checks the certificate against.
+async fn open_socket(
+    pg: &tokio_postgres::Config,
+    target: &PgTarget,
+) -> std::io::Result<(Socket, String)> {
+    let deadline = pg
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(HOST_CONNECT_TIMEOUT);
+    let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out");
+    match target {
+        PgTarget::Tcp { name, addr, port } => {
+            let tcp = tokio::time::timeout(
+                deadline,
+                tokio::net::TcpStream::connect((addr.as_str(), *port)),
+            )
+            .await
+            .map_err(|_| timed_out())??;
+            tcp.set_nodelay(true)?;
+            if pg.get_keepalives() {
+                let keepalive = socket2::TcpKeepalive::new()
+                    .with_time(pg.get_keepalives_idle())
+                    .with_interval(
+                        pg.get_keepalives_interval()
+                            .unwrap_or(Duration::from_secs(5)),
+                    )
+                    .with_retries(pg.get_keepalives_retries().unwrap_or(3));
+                socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive)?;
+            }
+            Ok((Box::new(tcp), name.clone()))
+        }
+        PgTarget::Unix { dir, port } => {
+            let path = dir.join(format!(".s.PGSQL.{port}"));
+            let unix = tokio::time::timeout(deadline, tokio::net::UnixStream::connect(path))
+                .await
+                .map_err(|_| timed_out())??;
+            Ok((Box::new(unix), String::new()))
+        }
+    }
 }
 
 /// Wraps a SQL error with what was being done.
@@ -214,7 +351,7 @@ pub fn sql_err(
     cfg: &PostgresConfig,
     what: impl Into<String>,
 ) -> impl FnOnce(tokio_postgres::Error) -> SourceError {
-    let url = redact_url(cfg.url.expose());
+    let url = shown_url(cfg.url.expose());
     let what = what.into();
     move |source| SourceError::Sql { what, url, source }
 }
@@ -261,9 +398,10 @@ async fn open_replication(
     (buffer_events, silence_limit): (usize, Duration),
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
-    let pg: tokio_postgres::Config = split_pg_url(url).url.parse().map_err(|e| {
-        SourceError::Setup(format!("postgres.url is not a valid PostgreSQL URL: {e}"))
-    })?;
+    let pg: tokio_postgres::Config = split_pg_url(url)
+        .url
+        .parse()
+        .map_err(|_| SourceError::Setup(format!("postgres.url is {NOT_A_URL}")))?;
     let user = pg.get_user().unwrap_or("postgres").to_owned();
     let password = pg
         .get_password()
@@ -301,7 +439,8 @@ async fn open_replication(
         .with_wakeup_interval(silence::ask_every(silence_limit))
         .with_buffer_size(buffer_events)
         .with_application_name("outbox-relay")
-        .with_options(SESSION_OPTIONS);
+        .with_options(SESSION_OPTIONS)
+        .with_auth_allowed(cfg.require_auth.for_replication());
     // `connect` only spawns the worker: wait until the server accepted
     // START_REPLICATION, so that TLS, authentication and slot errors surface
     // here, where they can be explained. Before it, on the same session:
@@ -335,28 +474,33 @@ async fn open_replication(
     match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
         Ok(Ok(r)) => r,
         Ok(Err(source)) => Err(match &source {
+            pgwire_replication::PgWireError::AuthNotAllowed { method } => {
+                let m = AuthMethod::by_name(method).unwrap_or(AuthMethod::None);
+                SourceError::Setup(format!(
+                    "replication connection to {target}: {}",
+                    cfg.require_auth.refusal(m)
+                ))
+            }
             pgwire_replication::PgWireError::Tls(msg)
                 if TlsFailure::from_text(msg).is_permanent() =>
             {
                 SourceError::Setup(tls::postgres_failure(
                     &TlsFailure::from_text(msg),
-                    &redact_url(url),
+                    &shown_url(url),
                     cfg.sslmode,
                 ))
             }
-            _ => {
-                match tls::postgres_wants_tls(&source.to_string(), &redact_url(url), cfg.sslmode) {
-                    Some(msg) => SourceError::Setup(msg),
-                    None => SourceError::Replication {
-                        url: redact_url(url),
-                        source,
-                    },
-                }
-            }
+            _ => match tls::postgres_wants_tls(&source.to_string(), &shown_url(url), cfg.sslmode) {
+                Some(msg) => SourceError::Setup(msg),
+                None => SourceError::Replication {
+                    url: shown_url(url),
+                    source,
+                },
+            },
         }),
         Err(_) => Err(SourceError::Timeout(format!(
             "opening the replication connection ({})",
-            redact_url(url)
+            shown_url(url)
         ))),
     }
 }

@@ -201,8 +201,11 @@ pub(in crate::sink) fn nesting(raw: &[u8]) -> usize {
 /// recursively, a stack frame or more per level, and each level takes a
 /// type byte (`F` or `A`): a frame with few of them parses here; one that
 /// could nest deeper (a broker's `connection.start` or a return's headers,
-/// hostile or not) parses on a thread whose stack holds its worst case, so
-/// no frame overflows the relay's stack.
+/// hostile or not, or any other method that holds a table) parses on a
+/// thread whose stack holds its worst case. No deep value leaves that
+/// thread (dropping or printing it recurses too): the tables a broker may
+/// send are emptied there, and a method only a client sends, which is all
+/// the other methods with tables, is refused there.
 pub(super) fn parse_nested(raw: &[u8]) -> Result<AMQPFrame, WireError> {
     let parse = |raw: &[u8]| match parse_frame(raw) {
         Ok((_, frame)) => Ok(frame),
@@ -238,10 +241,41 @@ pub(super) fn parse_nested(raw: &[u8]) -> Result<AMQPFrame, WireError> {
                 }
                 other => other,
             })
+            .and_then(|frame| match frame {
+                AMQPFrame::Method(_, class) if holds_table(&class) => Err(WireError::Protocol(
+                    format!(
+                        "the broker sent a client's method whose field tables may nest {levels} \
+                         levels deep; an AMQP 0-9-1 broker never sends it"
+                    ),
+                )),
+                other => Ok(other),
+            })
         })
         .map_err(|e| WireError::Protocol(format!("cannot parse a deeply nested frame: {e}")))?
         .join()
         .map_err(|_| WireError::Protocol("the frame parser failed".into()))?
+}
+
+/// The methods other than `connection.start` whose arguments hold a field
+/// table: all of them are a client's (AMQP 0-9-1 and RabbitMQ's
+/// extensions).
+fn holds_table(class: &AMQPClass) -> bool {
+    use amq_protocol::protocol::{exchange, queue};
+    matches!(
+        class,
+        AMQPClass::Connection(connection::AMQPMethod::StartOk(_))
+            | AMQPClass::Exchange(
+                exchange::AMQPMethod::Declare(_)
+                    | exchange::AMQPMethod::Bind(_)
+                    | exchange::AMQPMethod::Unbind(_)
+            )
+            | AMQPClass::Queue(
+                queue::AMQPMethod::Declare(_)
+                    | queue::AMQPMethod::Bind(_)
+                    | queue::AMQPMethod::Unbind(_)
+            )
+            | AMQPClass::Basic(basic::AMQPMethod::Consume(_))
+    )
 }
 
 /// `basic.publish` (mandatory) of `env` with its header and body frames,

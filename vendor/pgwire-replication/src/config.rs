@@ -488,6 +488,40 @@ pub struct ReplicationConfig {
     ///
     /// Default: `None`
     pub feedback_observer: Option<crate::FeedbackObserver>,
+
+    /// The authentication requests the client answers (libpq's
+    /// `require_auth`); any other ends the connection with
+    /// [`PgWireError::AuthNotAllowed`](crate::PgWireError::AuthNotAllowed)
+    /// before anything is sent.
+    ///
+    /// Default: all of them.
+    pub auth_allowed: AuthAllowed,
+}
+
+/// Which authentication requests a client answers (libpq's
+/// `require_auth`): with `false`, a request for that method ends the
+/// connection, the password unsent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuthAllowed {
+    /// `AuthenticationCleartextPassword`.
+    pub password: bool,
+    /// `AuthenticationMD5Password`.
+    pub md5: bool,
+    /// `AuthenticationSASL` with SCRAM-SHA-256.
+    pub scram_sha_256: bool,
+    /// `AuthenticationOk` without any authentication before it.
+    pub none: bool,
+}
+
+impl Default for AuthAllowed {
+    fn default() -> Self {
+        Self {
+            password: true,
+            md5: true,
+            scram_sha_256: true,
+            none: true,
+        }
+    }
 }
 
 impl Default for ReplicationConfig {
@@ -512,6 +546,7 @@ impl Default for ReplicationConfig {
             max_message_size: crate::protocol::framing::MAX_MESSAGE_SIZE,
             application_name: None,
             feedback_observer: None,
+            auth_allowed: AuthAllowed::default(),
         }
     }
 }
@@ -714,6 +749,13 @@ impl ReplicationConfig {
     /// ```
     pub fn with_max_message_size(mut self, bytes: usize) -> Self {
         self.max_message_size = bytes.min(crate::protocol::framing::MAX_MESSAGE_SIZE);
+        self
+    }
+
+    /// Set the authentication requests the client answers (see
+    /// [`ReplicationConfig::auth_allowed`]).
+    pub fn with_auth_allowed(mut self, allowed: AuthAllowed) -> Self {
+        self.auth_allowed = allowed;
         self
     }
 

@@ -61,6 +61,16 @@ pub enum PgWireError {
     /// apart from malformed framing, and report which bound was exceeded
     /// without parsing the message text. Non-transient: the refused payload
     /// is never consumed, so the connection cannot be resumed.
+    /// The server asked for an authentication method that
+    /// [`ReplicationConfig::auth_allowed`](crate::config::ReplicationConfig::auth_allowed)
+    /// does not allow (libpq's `require_auth` names: `password`, `md5`,
+    /// `scram-sha-256`, `none`); nothing was sent in answer.
+    #[error("the server asked for authentication method {method}, which is not allowed")]
+    AuthNotAllowed {
+        /// The method asked for.
+        method: &'static str,
+    },
+
     #[error("backend message too large: {payload_bytes} bytes (max {limit_bytes})")]
     MessageTooLarge {
         /// Payload size the server announced, in bytes.

@@ -85,6 +85,6 @@ pub use client::{
     FeedbackObserver, FeedbackSent, IdentifySystem, QueryRow, ReplicationClient, ReplicationEvent,
     ReplicationEventReceiver, ReplicationMetrics, TimelineHistory,
 };
-pub use config::{Publication, ReplicationConfig, SslMode, TlsConfig};
+pub use config::{AuthAllowed, Publication, ReplicationConfig, SslMode, TlsConfig};
 pub use error::{PgWireError, Result};
 pub use lsn::Lsn;

@@ -120,6 +120,13 @@ impl ScramClient {
             }
         }
 
+        if let Some(n) = i.filter(|&n| n > MAX_ITERATION_COUNT) {
+            return Err(PgWireError::Auth(format!(
+                "SCRAM iteration count {n} from the server exceeds the maximum of \
+                 {MAX_ITERATION_COUNT} this client computes"
+            )));
+        }
+
         Ok((
             r.ok_or_else(|| PgWireError::Auth("SCRAM server-first missing nonce (r=)".into()))?,
             s.ok_or_else(|| PgWireError::Auth("SCRAM server-first missing salt (s=)".into()))?,
@@ -245,6 +252,12 @@ fn sasl_escape_username(u: &str) -> String {
 
 /// Hi() function from RFC 5802 - essentially PBKDF2-HMAC-SHA256.
 ///
+/// The largest SCRAM iteration count accepted from a server, as
+/// postgres-protocol (tokio-postgres) accepts: the count drives a PBKDF2
+/// loop, so a hostile server could otherwise keep the client's thread busy
+/// for hours. PostgreSQL's default is 4096.
+pub const MAX_ITERATION_COUNT: u32 = 100_000;
+
 /// Derives a key from password and salt using the specified iteration count.
 #[cfg(feature = "scram")]
 fn hi_sha256(password: &[u8], salt: &[u8], iters: u32) -> Vec<u8> {

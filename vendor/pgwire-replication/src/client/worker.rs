@@ -207,6 +207,9 @@ pub struct WorkerState {
     gate: Option<mpsc::Receiver<GateCommand>>,
     /// The applied LSN in the last status update written to the server, if any.
     last_sent: Option<Lsn>,
+    /// An authentication request was answered (so a later
+    /// `AuthenticationOk` ends it, not skips it).
+    authenticated: bool,
 }
 
 impl WorkerState {
@@ -226,6 +229,7 @@ impl WorkerState {
             started: None,
             gate: None,
             last_sent: None,
+            authenticated: false,
         }
     }
 
@@ -757,6 +761,17 @@ impl WorkerState {
         code: i32,
         data: &[u8],
     ) -> Result<()> {
+        let allowed = self.cfg.auth_allowed;
+        let refuse = |method| Err(PgWireError::AuthNotAllowed { method });
+        match code {
+            // AuthenticationOk: the first request, when nothing came before.
+            0 if !self.authenticated && !allowed.none => return refuse("none"),
+            3 if !allowed.password => return refuse("password"),
+            5 if !allowed.md5 => return refuse("md5"),
+            10 if !allowed.scram_sha_256 => return refuse("scram-sha-256"),
+            _ => {}
+        }
+        self.authenticated = true;
         match code {
             0 => Ok(()), // AuthenticationOk
             3 => {

@@ -49,9 +49,43 @@ impl BackendMessage {
     }
 }
 
+/// Largest message accepted before streaming starts (authentication,
+/// startup, the replies to queries): those messages are small, so a length
+/// above this is a hostile or broken server, refused before anything is
+/// buffered. libpq, stricter, refuses most message types over 30,000 bytes.
+pub const STARTUP_MAX_MESSAGE_SIZE: usize = 1024 * 1024;
+
+/// The payload is read into memory at most this much at a time: memory
+/// grows with the bytes that arrive, never with the length announced.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Reads one message before streaming starts, refusing one over
+/// [`STARTUP_MAX_MESSAGE_SIZE`].
 pub async fn read_backend_message<R: AsyncRead + Unpin>(rd: &mut R) -> Result<BackendMessage> {
-    let mut reader = MessageReader::new();
+    let mut reader = MessageReader::new().with_max_message_size(STARTUP_MAX_MESSAGE_SIZE);
     reader.read(rd).await
+}
+
+/// Reads into `buf` until it holds `len` bytes, growing it only by what
+/// arrives (never zero-filled to the announced length first). Cancel-safe:
+/// what was read stays in `buf`.
+async fn fill_payload<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    buf: &mut BytesMut,
+    len: usize,
+) -> Result<()> {
+    while buf.len() < len {
+        let want = (len - buf.len()).min(READ_CHUNK);
+        buf.reserve(want);
+        let n = (&mut *rd).take(want as u64).read_buf(buf).await?;
+        if n == 0 {
+            return Err(PgWireError::Io(std::sync::Arc::new(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "EOF while reading backend message payload",
+            ))));
+        }
+    }
+    Ok(())
 }
 
 /// Cancellation-safe backend message reader.
@@ -71,7 +105,6 @@ pub struct MessageReader {
     hdr: [u8; 5],
     hdr_filled: usize,
     payload: BytesMut,
-    payload_filled: usize,
     /// `Some` once the header has been fully read and parsed; reset to
     /// `None` after each completed message.
     payload_len: Option<usize>,
@@ -95,7 +128,6 @@ impl MessageReader {
             hdr: [0u8; 5],
             hdr_filled: 0,
             payload: BytesMut::with_capacity(capacity),
-            payload_filled: 0,
             payload_len: None,
             tag: 0,
             max_payload: MAX_MESSAGE_SIZE,
@@ -118,6 +150,12 @@ impl MessageReader {
     pub fn with_max_message_size(mut self, max: usize) -> Self {
         self.max_payload = max.min(MAX_MESSAGE_SIZE);
         self
+    }
+
+    /// The bytes held for the message being read: what arrived of it, never
+    /// the length its header announced.
+    pub fn buffered_capacity(&self) -> usize {
+        self.payload.capacity()
     }
 
     /// Read the next complete backend message.
@@ -174,31 +212,19 @@ impl MessageReader {
 
             self.tag = self.hdr[0];
             self.payload.clear();
-            self.payload.resize(payload_len, 0);
-            self.payload_filled = 0;
             self.payload_len = Some(payload_len);
         }
 
         let payload_len = self.payload_len.unwrap();
 
-        // Phase 3: fill the payload
-        while self.payload_filled < payload_len {
-            let n = rd.read(&mut self.payload[self.payload_filled..]).await?;
-            if n == 0 {
-                return Err(PgWireError::Io(std::sync::Arc::new(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "EOF while reading backend message payload",
-                ))));
-            }
-            self.payload_filled += n;
-        }
+        // Phase 3: fill the payload, as it arrives
+        fill_payload(rd, &mut self.payload, payload_len).await?;
 
         // Phase 4: take payload, reset state for next message
         let payload = self.payload.split().freeze();
         let tag = self.tag;
         self.hdr_filled = 0;
         self.payload_len = None;
-        self.payload_filled = 0;
 
         Ok(BackendMessage { tag, payload })
     }
@@ -239,8 +265,7 @@ pub async fn read_backend_message_into<R: AsyncRead + Unpin>(
     }
 
     buf.clear();
-    buf.resize(payload_len, 0);
-    rd.read_exact(&mut buf[..]).await?;
+    fill_payload(rd, buf, payload_len).await?;
     Ok(BackendMessage {
         tag,
         payload: buf.split().freeze(),
