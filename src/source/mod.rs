@@ -246,10 +246,12 @@ async fn connect_guarded(
         let (socket, name) = match open_socket(pg, target).await {
             Ok(s) => s,
             Err(source) => {
-                failed = Some(SourceError::Connect {
-                    server: target.to_string(),
-                    source,
-                });
+                if failed.as_ref().is_none_or(SourceError::is_transient) {
+                    failed = Some(SourceError::Connect {
+                        server: target.to_string(),
+                        source,
+                    });
+                }
                 continue;
             }
         };
@@ -262,11 +264,11 @@ async fn connect_guarded(
         {
             Ok(c) => c,
             Err(e) => {
-                let e = explain(e);
-                if !e.is_transient() {
-                    return Err(e);
+                // A refusal for good is what the operator must see, unless
+                // another server lets the relay in.
+                if failed.as_ref().is_none_or(SourceError::is_transient) {
+                    failed = Some(explain(e));
                 }
-                failed = Some(e);
                 continue;
             }
         };
@@ -284,13 +286,15 @@ async fn connect_guarded(
                 matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("on"))
             });
             if read_only {
-                failed = Some(SourceError::Connect {
-                    server: target.to_string(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::PermissionDenied,
-                        "database does not allow writes (a standby)",
-                    ),
-                });
+                if failed.as_ref().is_none_or(SourceError::is_transient) {
+                    failed = Some(SourceError::Connect {
+                        server: target.to_string(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::PermissionDenied,
+                            "database does not allow writes (a standby)",
+                        ),
+                    });
+                }
                 continue;
             }
         }
