@@ -76,7 +76,7 @@ impl OutboxConfig {
             key: "outbox".into(),
             source,
             columns,
-            exchange: rabbitmq.exchange.clone(),
+            exchange: rabbitmq.exchange.clone().unwrap_or_default(),
             routing_key: rabbitmq.routing_key.clone(),
             template_keys: ("rabbitmq.exchange".into(), "rabbitmq.routing_key".into()),
             dead_letter_exchange: rabbitmq.dead_letter_exchange.clone(),
@@ -171,7 +171,8 @@ impl OutboxColumns {
 
 /// What every outbox inherits from `[rabbitmq]`.
 pub(super) struct Defaults<'a> {
-    pub exchange: &'a Template,
+    /// `None`: every outbox must set its own.
+    pub exchange: Option<&'a Template>,
     pub routing_key: &'a Template,
     pub dead_letter_exchange: &'a Option<String>,
 }
@@ -310,7 +311,15 @@ fn validate(r: RawOutbox, key: String, d: &Defaults<'_>) -> Result<OutboxConfig,
     );
     let exchange = match r.exchange {
         Some(x) => Template::parse(&x).map_err(|e| key_err(&at("exchange"), e))?,
-        None => d.exchange.clone(),
+        None => d.exchange.cloned().ok_or_else(|| {
+            key_err(
+                "rabbitmq.exchange",
+                format!(
+                    "missing: {key} sets no exchange of its own; set rabbitmq.exchange, or \
+                     {key}.exchange"
+                ),
+            )
+        })?,
     };
     let routing_key = match r.routing_key {
         Some(x) => {
@@ -424,6 +433,39 @@ mod tests {
             let e = err(text);
             assert!(e.contains(says), "{text}: {e}");
         }
+    }
+
+    /// `rabbitmq.exchange` is needed only by outboxes without their own:
+    /// three that each set one load without it; one that does not is
+    /// refused, naming both keys. Every literal exchange is checked on
+    /// connecting, each once.
+    #[test]
+    fn the_global_exchange_is_needed_only_by_outboxes_without_their_own() {
+        let head = "[postgres]\nurl = \"postgres://u@h/db\"\n[rabbitmq]\nurl = \"amqp://h\"\n";
+        let each = "[[outbox]]\ntable = \"a\"\nexchange = \"xa\"\n\
+                    [[outbox]]\ntable = \"b\"\nexchange = \"xb\"\n\
+                    [[outbox]]\ntable = \"c\"\nexchange = \"{aggregate_type}\"\n";
+        let c = Config::from_toml(&format!("{head}{each}"), "t.toml", Vec::new()).unwrap();
+        assert!(c.rabbitmq.exchange.is_none());
+        assert_eq!(c.rabbitmq.fixed_exchanges, ["xa", "xb"]);
+        let lacking = format!("{head}{each}[[outbox]]\ntable = \"d\"\n");
+        let e = Config::from_toml(&lacking, "t.toml", Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rabbitmq.exchange") && e.contains("outbox[3].exchange"),
+            "{e}"
+        );
+        let c = load(
+            "[[outbox]]\ntable = \"a\"\n[[outbox]]\ntable = \"b\"\nexchange = \"\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.rabbitmq.fixed_exchanges,
+            ["ex"],
+            "once; not the default exchange"
+        );
     }
 
     #[test]

@@ -89,8 +89,12 @@ pub struct RabbitmqConfig {
     pub urls: Vec<Secret>,
     /// Try the nodes in a random order (chosen once per process).
     pub shuffle: bool,
-    /// Exchange template.
-    pub exchange: Template,
+    /// Exchange template: what outboxes without their own use (`None`:
+    /// every outbox sets one).
+    pub exchange: Option<Template>,
+    /// The exchanges outboxes name literally (the default one aside), each
+    /// once: checked to exist on connecting.
+    pub fixed_exchanges: Vec<String>,
     /// Routing key template.
     pub routing_key: Template,
     /// Most publishes awaiting a confirm at once.

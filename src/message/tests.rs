@@ -11,7 +11,8 @@ fn rabbit(exchange: &str, rk: &str) -> RabbitmqConfig {
     RabbitmqConfig {
         urls: vec![Secret::new("amqp://x")],
         shuffle: false,
-        exchange: Template::parse(exchange).unwrap(),
+        exchange: Some(Template::parse(exchange).unwrap()),
+        fixed_exchanges: Vec::new(),
         routing_key: Template::parse(rk).unwrap(),
         window: 10,
         window_bytes: 32 << 20,

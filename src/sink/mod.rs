@@ -244,7 +244,7 @@ impl AmqpSink {
             Ok(Ok(wire)) => wire,
         };
         let mut sink = AmqpSink { wire, url, node };
-        if let Some(exchange) = cfg.exchange.as_literal() {
+        for exchange in &cfg.fixed_exchanges {
             sink.check_exchange(exchange).await?;
         }
         Ok(sink)
