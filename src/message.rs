@@ -8,6 +8,8 @@ use smallvec::SmallVec;
 
 use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPart};
 
+mod routing_headers;
+
 /// A message ready for `basic.publish`.
 #[derive(Debug, Clone)]
 pub struct Envelope {
@@ -286,8 +288,18 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
                     len: k.len(),
                 });
             }
+            // The relay's own headers (what a dead letter says) are never
+            // the row's to set.
+            if is_reserved(&k) {
+                continue;
+            }
             // RabbitMQ routes on CC and BCC: an array of long strings, or
             // it closes the channel (nested values are JSON text otherwise).
+            // Only an outbox that opts in lets its rows route themselves.
+            if matches!(k.as_str(), "CC" | "BCC") && !m.routing_headers {
+                routing_headers::dropped(id, &k);
+                continue;
+            }
             if matches!(k.as_str(), "CC" | "BCC") {
                 let keys = v.as_array().and_then(|a| {
                     a.iter()
@@ -377,8 +389,18 @@ fn amqp_value_len(v: &AMQPValue) -> usize {
     }
 }
 
+/// A header name of the relay's own (`x-outbox-*`, in any case): a row's
+/// is dropped, so that what a dead letter says comes from the relay alone.
+fn is_reserved(key: &str) -> bool {
+    key.len() >= dead_letter_headers::PREFIX.len()
+        && key.as_bytes()[..dead_letter_headers::PREFIX.len()]
+            .eq_ignore_ascii_case(dead_letter_headers::PREFIX.as_bytes())
+}
+
 /// Headers a dead-lettered message carries, saying why and where it was going.
 pub mod dead_letter_headers {
+    /// What every one of them starts with; a row's own are dropped.
+    pub const PREFIX: &str = "x-outbox-";
     /// Why the event could not be delivered.
     pub const ERROR: &str = "x-outbox-error";
     /// The exchange it was published to (or its template, if unrenderable).

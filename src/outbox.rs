@@ -90,6 +90,8 @@ pub struct Mapping {
     pub exchange: Vec<ResolvedPart>,
     /// The routing key template, resolved.
     pub routing_key: Vec<ResolvedPart>,
+    /// `outbox.routing_headers`: the row's `CC`/`BCC` are sent (else dropped).
+    pub routing_headers: bool,
 }
 
 /// The outbox table's definition does not fit the configuration.
@@ -181,6 +183,7 @@ impl Mapping {
             headers: find_column(&rel.columns, &cols.headers),
             exchange: resolve(&outbox.exchange, &outbox.template_keys.0)?,
             routing_key: resolve(&outbox.routing_key, &outbox.template_keys.1)?,
+            routing_headers: outbox.routing_headers,
         })
     }
 }

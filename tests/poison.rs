@@ -254,6 +254,8 @@ async fn a_refusing_dead_letter_exchange_stops_the_relay() {
 async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on() {
     let mut fx = Fixture::new("badheaders").await;
     let mut dlq = dead_letters(&fx, "max_message_bytes = 4096").await;
+    // CC and BCC are sent (and so checked) only when the outbox opts in.
+    routing_headers_on(&fx);
     fx.start_consumer().await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
@@ -340,6 +342,71 @@ async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on(
     fx.expect_delivered(std::slice::from_ref(&good_cc), &relay)
         .await;
     relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// Turns `routing_headers` on for the fixture's outbox.
+fn routing_headers_on(fx: &Fixture) {
+    let single = format!("[outbox]\ntable = \"public.{}\"\n", fx.table);
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    assert!(text.contains(&single), "{text}");
+    let text = text.replace(&single, &format!("{single}routing_headers = true\n"));
+    std::fs::write(&fx.config, text).unwrap();
+}
+
+/// A row's headers do not steer the broker by default: its `CC` copy to
+/// another queue is dropped, unless the outbox sets `routing_headers`;
+/// and the `x-outbox-*` headers it sets (which a dead-letter consumer
+/// would trust) are never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_headers_route_nothing_unless_the_outbox_opts_in() {
+    let mut fx = Fixture::new("ccoptin").await;
+    fx.rebind_queue("order.#").await;
+    let victim = fx.scoped("victim");
+    fx.declare_bound(&fx.exchange.clone(), Some(&victim), "victim")
+        .await;
+    let mut copies = fx.consume(&victim).await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let insert = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+         VALUES ('order', 'a', 'placed', '{{}}', \
+         '{{\"CC\": [\"victim\"], \"x-outbox-error\": \"forged\", \"X-OUTBOX-ATTEMPTS\": 1}}') \
+         RETURNING id::text",
+        fx.table
+    );
+    let relay = fx.spawn_relay();
+    let off: String = pg.query_one(&insert, &[]).await.unwrap().get(0);
+    let got = fx
+        .expect_delivered(std::slice::from_ref(&off), &relay)
+        .await;
+    let r = got.iter().find(|r| r.message_id() == off).unwrap();
+    for forged in ["x-outbox-error", "X-OUTBOX-ATTEMPTS", "CC"] {
+        assert!(r.header(forged).is_none(), "{forged} sent");
+    }
+    assert!(
+        relay
+            .wait_log("routing_headers = true", Duration::from_secs(5))
+            .await,
+        "the drop is not logged:\n{}",
+        relay.log_tail()
+    );
+    relay.stop_ok();
+
+    routing_headers_on(&fx);
+    let relay = fx.spawn_relay();
+    let on: String = pg.query_one(&insert, &[]).await.unwrap().get(0);
+    fx.expect_delivered(std::slice::from_ref(&on), &relay).await;
+    // The queue gets copies in publish order: the first it gets is the
+    // second row's, so the first row's was never sent.
+    let copy = recv_one(&mut copies, "CC copy", &relay).await;
+    assert_eq!(copy.message_id(), on, "the first row copied itself");
+    assert!(copy.header("x-outbox-error").is_none());
+    relay.stop_ok();
+    let ch = fx.amqp.create_channel().await.unwrap();
+    let _ = ch
+        .queue_delete(victim.as_str().into(), Default::default())
+        .await;
     fx.cleanup().await;
 }
 

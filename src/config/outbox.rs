@@ -28,6 +28,7 @@ pub(super) struct RawOutbox {
     exchange: Option<String>,
     routing_key: Option<String>,
     dead_letter_exchange: Option<String>,
+    routing_headers: Option<bool>,
 }
 
 /// Where an outbox's events come from.
@@ -62,6 +63,9 @@ pub struct OutboxConfig {
     pub template_keys: (String, String),
     /// Dead-letter exchange (`rabbitmq.dead_letter_exchange` unless set here).
     pub dead_letter_exchange: Option<String>,
+    /// `routing_headers`: the row's `CC` and `BCC` headers (RabbitMQ's
+    /// sender-selected distribution) are sent; off, they are dropped.
+    pub routing_headers: bool,
 }
 
 impl OutboxConfig {
@@ -80,6 +84,7 @@ impl OutboxConfig {
             routing_key: rabbitmq.routing_key.clone(),
             template_keys: ("rabbitmq.exchange".into(), "rabbitmq.routing_key".into()),
             dead_letter_exchange: rabbitmq.dead_letter_exchange.clone(),
+            routing_headers: false,
         }
     }
 
@@ -347,6 +352,7 @@ fn validate(r: RawOutbox, key: String, d: &Defaults<'_>) -> Result<OutboxConfig,
         routing_key,
         template_keys,
         dead_letter_exchange,
+        routing_headers: r.routing_headers.unwrap_or(false),
     })
 }
 
