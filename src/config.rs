@@ -298,6 +298,15 @@ impl RawConfig {
         let exchange = (r.exchange.as_deref())
             .map(|x| Template::parse(x).map_err(|e| key_err("rabbitmq.exchange", e)))
             .transpose()?;
+        let exchange_pattern = match non_empty(r.exchange_pattern) {
+            None => None,
+            Some(p) => Some(regex::Regex::new(&format!("^(?:{p})$")).map_err(|e| {
+                key_err(
+                    "rabbitmq.exchange_pattern",
+                    format!("not a valid regular expression: {e}"),
+                )
+            })?),
+        };
         let routing_key =
             Template::parse(&r.routing_key).map_err(|e| key_err("rabbitmq.routing_key", e))?;
         if routing_key.is_empty() {
@@ -379,6 +388,7 @@ impl RawConfig {
             outbox,
             &outbox::Defaults {
                 exchange: exchange.as_ref(),
+                exchange_pattern: exchange_pattern.as_ref(),
                 routing_key: &routing_key,
                 dead_letter_exchange: &dead_letter_exchange,
             },
@@ -411,6 +421,7 @@ impl RawConfig {
                 shuffle: r.shuffle,
                 exchange,
                 fixed_exchanges,
+                exchange_pattern,
                 routing_key,
                 window: r.window as usize,
                 window_bytes: r.window_bytes as usize,

@@ -8,6 +8,7 @@ use smallvec::SmallVec;
 
 use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPart};
 
+pub mod guard;
 mod routing_headers;
 
 /// A message ready for `basic.publish`.
@@ -76,6 +77,19 @@ pub enum RenderError {
         id: String,
         /// `CC` or `BCC`.
         key: String,
+    },
+    /// A templated exchange rendered to a name the relay does not publish
+    /// to (see [`guard`]).
+    #[error("event {id}: exchange {exchange:?} (rendered from {key}) is refused: {why}")]
+    ExchangeRefused {
+        /// Event id.
+        id: String,
+        /// The name as rendered.
+        exchange: String,
+        /// The template's config key.
+        key: String,
+        /// Why.
+        why: String,
     },
     /// The properties and headers do not fit in one content-header frame
     /// (`frame_max`): the broker would close the connection over it.
@@ -321,8 +335,12 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
     }
     check_short(id.len(), "id", id)?;
     check_short(event_type.len(), "event type", id)?;
+    let exchange = Name::render(ev, &m.exchange, "exchange", id)?;
+    if let Some(guard) = &m.exchange_guard {
+        guard.check(&exchange, id)?;
+    }
     Ok(MessageView {
-        exchange: Name::render(ev, &m.exchange, "exchange", id)?,
+        exchange,
         routing_key: Name::render(ev, &m.routing_key, "routing key", id)?,
         body,
         message_id: id,

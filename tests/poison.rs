@@ -410,6 +410,95 @@ async fn row_headers_route_nothing_unless_the_outbox_opts_in() {
     fx.cleanup().await;
 }
 
+/// Makes the fixture's exchange the template `exchange`, and its routing
+/// key `routing_key`.
+fn set_templates(fx: &Fixture, exchange: &str, routing_key: &str) {
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let fixed = format!(
+        "exchange = \"{}\"\nrouting_key = \"{{aggregate_type}}.{{event_type}}\"",
+        fx.exchange
+    );
+    assert!(text.contains(&fixed), "{text}");
+    let templated = format!("exchange = \"{exchange}\"\nrouting_key = \"{routing_key}\"");
+    std::fs::write(&fx.config, text.replace(&fixed, &templated)).unwrap();
+}
+
+/// The attack of issue 25: under `exchange = "{aggregate_type}"`,
+/// `routing_key = "{event_type}"`, rows with `aggregate_type = ''` and
+/// `event_type = '<a queue>'` would go through the default exchange
+/// straight into that queue. They, a row naming an `amq.*` exchange and
+/// one outside `rabbitmq.exchange_pattern` are dead-lettered saying why;
+/// the queue gets nothing; a row within the pattern is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_cannot_route_itself_past_its_template() {
+    use lapin::options::QueueDeclareOptions;
+    let mut fx = Fixture::new("selfroute").await;
+    let mut dlq = dead_letters(&fx, "exchange_pattern = \"ex_[a-z0-9_]+\"").await;
+    set_templates(&fx, "{aggregate_type}", "{event_type}");
+    let victim = fx.scoped("victim_q");
+    let ch = fx.amqp.create_channel().await.unwrap();
+    ch.queue_declare(
+        victim.as_str().into(),
+        QueueDeclareOptions::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let mut refused = Vec::new();
+    for (n, aggregate_type) in ["", "", "", "amq.direct", "elsewhere"].iter().enumerate() {
+        let payload = serde_json::json!({ "n": n });
+        let id = fx.insert(&pg, aggregate_type, "a", &victim, &payload).await;
+        refused.push((id, *aggregate_type));
+    }
+    let good = fx
+        .insert(&pg, &fx.exchange, "a", "placed", &serde_json::json!({}))
+        .await;
+    let mut dls = Vec::new();
+    for _ in &refused {
+        dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    for (id, aggregate_type) in &refused {
+        let dl = dls
+            .iter()
+            .find(|d| &d.message_id() == id)
+            .unwrap_or_else(|| panic!("{id} ({aggregate_type:?}) not dead-lettered"));
+        let err = dl.header_str("x-outbox-error").unwrap();
+        let why = match *aggregate_type {
+            "" => "default exchange",
+            "amq.direct" => "broker's own",
+            _ => "rabbitmq.exchange_pattern",
+        };
+        assert!(
+            err.contains(why) && err.contains("rabbitmq.exchange"),
+            "{aggregate_type:?}: {err}"
+        );
+    }
+    fx.expect_delivered(std::slice::from_ref(&good), &relay)
+        .await;
+    // Each refused row was dead-lettered instead of published: the queue
+    // its routing key names never got one.
+    let q = ch
+        .queue_declare(
+            victim.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(q.message_count(), 0, "a row routed itself into {victim}");
+    relay.stop_ok();
+    let _ = ch
+        .queue_delete(victim.as_str().into(), Default::default())
+        .await;
+    fx.cleanup().await;
+}
+
 /// A templated exchange that renders to a name the broker does not have:
 /// the broker closes the channel (404), the session ends, and the next one
 /// dead-letters the events bound for that exchange while the others flow.

@@ -57,6 +57,9 @@ pub struct OutboxConfig {
     pub columns: OutboxColumns,
     /// Exchange template (`rabbitmq.exchange` unless the outbox sets one).
     pub exchange: Template,
+    /// `rabbitmq.exchange_pattern`: what the exchange template must render
+    /// to (a literal exchange is the operator's and not held to it).
+    pub exchange_pattern: Option<regex::Regex>,
     /// Routing key template (`rabbitmq.routing_key` unless set here).
     pub routing_key: Template,
     /// The config keys the two templates come from, for messages.
@@ -81,6 +84,7 @@ impl OutboxConfig {
             source,
             columns,
             exchange: rabbitmq.exchange.clone().unwrap_or_default(),
+            exchange_pattern: rabbitmq.exchange_pattern.clone(),
             routing_key: rabbitmq.routing_key.clone(),
             template_keys: ("rabbitmq.exchange".into(), "rabbitmq.routing_key".into()),
             dead_letter_exchange: rabbitmq.dead_letter_exchange.clone(),
@@ -178,6 +182,7 @@ impl OutboxColumns {
 pub(super) struct Defaults<'a> {
     /// `None`: every outbox must set its own.
     pub exchange: Option<&'a Template>,
+    pub exchange_pattern: Option<&'a regex::Regex>,
     pub routing_key: &'a Template,
     pub dead_letter_exchange: &'a Option<String>,
 }
@@ -349,6 +354,7 @@ fn validate(r: RawOutbox, key: String, d: &Defaults<'_>) -> Result<OutboxConfig,
         source,
         columns,
         exchange,
+        exchange_pattern: d.exchange_pattern.cloned(),
         routing_key,
         template_keys,
         dead_letter_exchange,
@@ -472,6 +478,26 @@ mod tests {
             ["ex"],
             "once; not the default exchange"
         );
+    }
+
+    /// `rabbitmq.exchange_pattern` is checked when the config loads,
+    /// naming the key, and anchored: it must match a whole name.
+    #[test]
+    fn the_exchange_pattern_is_validated_and_anchored() {
+        let text = |p: &str| {
+            format!(
+                "[postgres]\nurl = \"postgres://u@h/db\"\n[rabbitmq]\nurl = \"amqp://h\"\n\
+                 exchange = \"{{aggregate_type}}\"\nexchange_pattern = {p:?}\n"
+            )
+        };
+        let e = Config::from_toml(&text("app.(["), "t.toml", Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rabbitmq.exchange_pattern"), "{e}");
+        let c = Config::from_toml(&text("app|web"), "t.toml", Vec::new()).unwrap();
+        let p = c.outboxes[0].exchange_pattern.as_ref().unwrap();
+        assert!(p.is_match("app") && p.is_match("web"));
+        assert!(!p.is_match("apps") && !p.is_match("xweb"));
     }
 
     #[test]

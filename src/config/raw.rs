@@ -45,6 +45,8 @@ pub(super) struct RawRabbitmq {
     pub(super) shuffle: bool,
     #[serde(default)]
     pub(super) exchange: Option<String>,
+    #[serde(default)]
+    pub(super) exchange_pattern: Option<String>,
     #[serde(default = "default_routing_key")]
     pub(super) routing_key: String,
     #[serde(default = "default_window", deserialize_with = "de_u64")]

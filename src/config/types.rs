@@ -95,6 +95,9 @@ pub struct RabbitmqConfig {
     /// The exchanges outboxes name literally (the default one aside), each
     /// once: checked to exist on connecting.
     pub fixed_exchanges: Vec<String>,
+    /// `rabbitmq.exchange_pattern`, anchored: what a templated exchange
+    /// must render to in full (`None`: any name but `""` and `amq.*`).
+    pub exchange_pattern: Option<regex::Regex>,
     /// Routing key template.
     pub routing_key: Template,
     /// Most publishes awaiting a confirm at once.

@@ -13,6 +13,7 @@ fn rabbit(exchange: &str, rk: &str) -> RabbitmqConfig {
         shuffle: false,
         exchange: Some(Template::parse(exchange).unwrap()),
         fixed_exchanges: Vec::new(),
+        exchange_pattern: None,
         routing_key: Template::parse(rk).unwrap(),
         window: 10,
         window_bytes: 32 << 20,
