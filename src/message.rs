@@ -56,6 +56,21 @@ pub enum RenderError {
         /// Its length.
         len: usize,
     },
+    /// The headers column's text is so long that its headers could never
+    /// fit in one frame: refused before it is parsed (parsing costs about
+    /// ten times its size).
+    #[error(
+        "event {id}: the headers column is {bytes} bytes, which can never fit in one frame \
+         (frame_max {frame_max}); it was not read. Shorten the headers"
+    )]
+    HeadersTooLong {
+        /// Event id.
+        id: String,
+        /// The column's size.
+        bytes: usize,
+        /// The connection's frame_max.
+        frame_max: u32,
+    },
     /// The headers column is not a JSON object.
     #[error("event {id}: headers column is not a JSON object")]
     Headers {
@@ -267,10 +282,30 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
 /// The message for `ev`, borrowed from it: every check of [`render`], no
 /// allocation unless the row has headers to merge.
 pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
+    view_within(ev, u32::MAX)
+}
+
+/// Bytes of a headers column's JSON text per byte of its AMQP encoding,
+/// at most: an escape (`\u001f`) is six bytes for one. A column longer
+/// than this many frames can never fit in one, whatever it holds.
+const HEADER_TEXT_PER_BYTE: usize = 6;
+
+/// As [`view`] on a connection with `frame_max`: the work per row is
+/// bounded by its raw size before anything is parsed. An id over AMQP's
+/// 255 bytes, or a headers column too long to ever fit in a frame, is
+/// refused without being read further.
+pub fn view_within(ev: &OutboxEvent, frame_max: u32) -> Result<MessageView<'_>, RenderError> {
     let m: &Mapping = ev
         .mapping
         .as_ref()
         .map_err(|e| RenderError::Mapping(e.clone()))?;
+    if let Some(raw) = ev.value(m.id).filter(|v| v.len() > 255) {
+        return Err(RenderError::TooLong {
+            id: crate::logtext::shown_bytes(raw),
+            what: "id",
+            len: raw.len(),
+        });
+    }
     let id = text(ev, m.id, "id", "?")?;
     let aggregate_type = text(ev, m.aggregate_type, "aggregate_type", id)?;
     let aggregate_id = text(ev, m.aggregate_id, "aggregate_id", id)?;
@@ -291,6 +326,13 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
 
     let mut headers = None;
     if let Some(h) = m.headers.and_then(|i| ev.value(i)) {
+        if h.len() / HEADER_TEXT_PER_BYTE > frame_max as usize {
+            return Err(RenderError::HeadersTooLong {
+                id: id.to_owned(),
+                bytes: h.len(),
+                frame_max,
+            });
+        }
         let obj: serde_json::Map<String, serde_json::Value> =
             serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.to_owned() })?;
         let mut table = FieldTable::default();
@@ -507,9 +549,16 @@ pub fn event_id(ev: &OutboxEvent) -> String {
         .and_then(|m| ev.value(m.id))
         .map_or_else(
             || "?".to_owned(),
-            |v| String::from_utf8_lossy(v).into_owned(),
+            // One too long to be a message_id is only ever shown: capped.
+            |v| match v.len() {
+                ..=255 => String::from_utf8_lossy(v).into_owned(),
+                _ => crate::logtext::shown_bytes(v),
+            },
         )
 }
+
+/// Bytes of a row beyond its payload that its dead letter may keep alive.
+const ROW_SLACK: usize = 4096;
 
 /// The dead letter for a row that could not become a message at all: what is
 /// known of it (id, payload bytes) and why.
@@ -524,6 +573,14 @@ pub fn dead_letter_unrenderable(ev: &OutboxEvent, err: &RenderError, dlx: &str) 
     }
     .cloned()
     .unwrap_or_default();
+    // The body is a slice of the row: copied out when the row is much
+    // larger (a huge headers column), so that the dead letter does not
+    // keep the whole row alive while it waits for its confirm.
+    let body = if ev.bytes() > body.len() + ROW_SLACK {
+        Bytes::copy_from_slice(&body)
+    } else {
+        body
+    };
     let mut properties = BasicProperties::default().with_delivery_mode(2);
     if id.len() <= 255 {
         properties = properties.with_message_id(ShortString::from(id.as_str()));

@@ -674,3 +674,61 @@ async fn headers_at_the_frame_limit_arrive_and_one_byte_over_are_dead_lettered()
     relay.stop_ok();
     fx.cleanup().await;
 }
+
+/// One row cannot crash-loop the relay: a headers column of about 40 MB
+/// (`jsonb_object_agg` over two million keys), which parsed would cost
+/// about ten times its size, is judged by its length before any parse and
+/// dead-lettered without its headers; the relay's peak RSS stays under the
+/// Kubernetes manifest's 256 MiB limit, and the rows after it arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_headers_column_is_dead_lettered_unread_within_256_mib() {
+    let mut fx = Fixture::new("hugeheaders").await;
+    let mut dlq = dead_letters(&fx, "").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let before = fx
+        .insert(&pg, "order", "a", "placed", &serde_json::json!({}))
+        .await;
+    fx.expect_delivered(std::slice::from_ref(&before), &relay)
+        .await;
+    let row = pg
+        .query_one(
+            &format!(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+                 SELECT 'order', 'a', 'placed', '{{\"n\": 1}}', jsonb_object_agg('k' || g, g) \
+                 FROM generate_series(1, 2000000) g RETURNING id::text, octet_length(headers::text)",
+                fx.table
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let (huge, bytes): (String, i32) = (row.get(0), row.get(1));
+    assert!(bytes > 35_000_000, "headers of {bytes} bytes");
+    let after = fx
+        .insert(&pg, "order", "a", "placed", &serde_json::json!({}))
+        .await;
+    let dl = recv_one(&mut dlq, "dead letter", &relay).await;
+    assert_eq!(dl.message_id(), huge);
+    fx.expect_delivered(std::slice::from_ref(&after), &relay)
+        .await;
+    let peak = relay.peak_rss_bytes();
+    println!(
+        "peak RSS with a {bytes}-byte headers column: {} MiB",
+        peak >> 20
+    );
+    assert!(peak < 256 << 20, "peak RSS {} MiB", peak >> 20);
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(
+        err.contains(&format!("{bytes} bytes")) && err.contains("frame_max"),
+        "{err}"
+    );
+    assert!(
+        dl.header("k1").is_none() && dl.header("k2000000").is_none(),
+        "the dead letter carries the headers"
+    );
+    assert_eq!(dl.json(), serde_json::json!({"n": 1}));
+    relay.stop_ok();
+    fx.cleanup().await;
+}

@@ -25,6 +25,7 @@ use crate::config::RabbitmqConfig;
 use crate::lsn::Lsn;
 use crate::message::{
     Envelope, MessageView, RenderError, dead_letter_unrenderable, event_id, render, view,
+    view_within,
 };
 use prometheus_client::metrics::counter::Counter;
 
@@ -225,7 +226,7 @@ impl<'a> Publisher<'a> {
         // The broker would close the connection over a content header that
         // does not fit in a frame (and again on every replay): refuse it
         // here, and dead-letter it without its headers.
-        let m = view(ev).and_then(|m| match m.header_bytes() {
+        let m = view_within(ev, frame_max).and_then(|m| match m.header_bytes() {
             bytes if bytes > frame_max as usize => Err(RenderError::HeaderTooLarge {
                 id: m.message_id.to_owned(),
                 bytes,
