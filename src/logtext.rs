@@ -51,6 +51,36 @@ pub fn shown_bytes(v: &[u8]) -> String {
     s
 }
 
+/// The text log's writer: one call per log line (as tracing-subscriber
+/// writes them), with every line break but the last written as `\n` or
+/// `\r`. Whatever a message or field holds, one event is one line.
+pub struct OneLine<W>(pub W);
+
+impl<W: std::io::Write> std::io::Write for OneLine<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+        if !body.iter().any(|b| matches!(b, b'\n' | b'\r')) {
+            self.0.write_all(buf)?;
+            return Ok(buf.len());
+        }
+        let mut out = Vec::with_capacity(buf.len() + 16);
+        for &b in body {
+            match b {
+                b'\n' => out.extend_from_slice(b"\\n"),
+                b'\r' => out.extend_from_slice(b"\\r"),
+                b => out.push(b),
+            }
+        }
+        out.extend_from_slice(&buf[body.len()..]);
+        self.0.write_all(&out)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +96,14 @@ mod tests {
         let b = shown_bytes(long.as_bytes());
         assert_eq!(b, s, "the whole size, from a prefix");
         assert_eq!(shown_bytes(b"id\n\xff"), "id\\n\u{fffd}");
+    }
+
+    #[test]
+    fn one_event_is_one_line() {
+        use std::io::Write;
+        let mut w = OneLine(Vec::new());
+        w.write_all(b"a\nFAKE LOG LINE\r\n").unwrap();
+        w.write_all(b"plain\n").unwrap();
+        assert_eq!(w.0, b"a\\nFAKE LOG LINE\\r\nplain\n");
     }
 }

@@ -11,6 +11,8 @@ use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPar
 pub mod guard;
 mod routing_headers;
 
+use crate::logtext::shown;
+
 /// A message ready for `basic.publish`.
 #[derive(Debug, Clone)]
 pub struct Envelope {
@@ -129,11 +131,11 @@ fn text<'a>(
     id: &str,
 ) -> Result<&'a str, RenderError> {
     let v = ev.value(index).ok_or_else(|| RenderError::Null {
-        id: id.to_owned(),
+        id: shown(id),
         column: column.to_owned(),
     })?;
     std::str::from_utf8(v).map_err(|_| RenderError::NotUtf8 {
-        id: id.to_owned(),
+        id: shown(id),
         column: column.to_owned(),
     })
 }
@@ -142,7 +144,7 @@ fn text<'a>(
 fn check_short(len: usize, what: &'static str, id: &str) -> Result<(), RenderError> {
     if len > 255 {
         return Err(RenderError::TooLong {
-            id: id.to_owned(),
+            id: shown(id),
             what,
             len,
         });
@@ -311,15 +313,14 @@ pub fn view_within(ev: &OutboxEvent, frame_max: u32) -> Result<MessageView<'_>, 
     let aggregate_id = text(ev, m.aggregate_id, "aggregate_id", id)?;
     let event_type = text(ev, m.event_type, "event_type", id)?;
     let raw_payload = ev.value(m.payload).ok_or_else(|| RenderError::Null {
-        id: id.to_owned(),
+        id: shown(id),
         column: "payload".into(),
     })?;
     let (body, content_type) = match m.payload_kind {
         PayloadKind::Json => (raw_payload.clone(), "application/json"),
         PayloadKind::Text => (raw_payload.clone(), "text/plain; charset=utf-8"),
         PayloadKind::Bytea => (
-            decode_bytea_hex(raw_payload)
-                .ok_or_else(|| RenderError::Bytea { id: id.to_owned() })?,
+            decode_bytea_hex(raw_payload).ok_or_else(|| RenderError::Bytea { id: shown(id) })?,
             "application/octet-stream",
         ),
     };
@@ -328,18 +329,18 @@ pub fn view_within(ev: &OutboxEvent, frame_max: u32) -> Result<MessageView<'_>, 
     if let Some(h) = m.headers.and_then(|i| ev.value(i)) {
         if h.len() / HEADER_TEXT_PER_BYTE > frame_max as usize {
             return Err(RenderError::HeadersTooLong {
-                id: id.to_owned(),
+                id: shown(id),
                 bytes: h.len(),
                 frame_max,
             });
         }
         let obj: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.to_owned() })?;
+            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: shown(id) })?;
         let mut table = FieldTable::default();
         for (k, v) in obj {
             if k.len() > 255 {
                 return Err(RenderError::TooLong {
-                    id: id.to_owned(),
+                    id: shown(id),
                     what: "header name",
                     len: k.len(),
                 });
@@ -364,7 +365,7 @@ pub fn view_within(ev: &OutboxEvent, frame_max: u32) -> Result<MessageView<'_>, 
                 });
                 let Some(keys) = keys else {
                     return Err(RenderError::RoutingHeader {
-                        id: id.to_owned(),
+                        id: shown(id),
                         key: k,
                     });
                 };

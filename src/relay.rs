@@ -263,7 +263,7 @@ async fn session(
         for exchange in refusals.missing.clone() {
             match sink.check_exchange(&exchange).await {
                 Ok(()) => {
-                    info!(%exchange, "the exchange exists now");
+                    info!(exchange = %crate::logtext::Shown(&exchange), "the exchange exists now");
                     refusals.missing.remove(&exchange);
                 }
                 Err(SinkError::NoExchange(_)) => {}

@@ -732,3 +732,52 @@ async fn a_huge_headers_column_is_dead_lettered_unread_within_256_mib() {
     relay.stop_ok();
     fx.cleanup().await;
 }
+
+/// Log lines cannot be forged from a row, nor blown up by one: an id, an
+/// exchange or a routing key holding `\n` or `\r` is logged escaped, and a
+/// 10 MB id is logged cut short with its size. The text log has no line
+/// starting with the forged text and none longer than a bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_text_cannot_forge_or_flood_log_lines() {
+    const DDL: &str = "CREATE TABLE {table} (id text NOT NULL, aggregate_type text NOT NULL, \
+                       aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL, \
+                       headers jsonb, created_at timestamptz NOT NULL DEFAULT now())";
+    let mut fx = Fixture::with_ddl("logforge", "", DDL).await;
+    let mut dlq = dead_letters(&fx, "").await;
+    fx.rebind_queue("ok.#").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let insert = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, $2, 'a', 'e', '{{}}')",
+        fx.table
+    );
+    let forged = "x\nFAKE LOG LINE id\r\nFAKE LOG LINE cr";
+    // Unroutable: its id and routing key are logged at each retry, then
+    // it is dead-lettered.
+    pg.execute(&insert, &[&forged, &"bad\nFAKE LOG LINE key"])
+        .await
+        .unwrap();
+    let huge = "i".repeat(10_000_000);
+    pg.execute(&insert, &[&huge, &"ok"]).await.unwrap();
+    pg.execute(&insert, &[&"good", &"ok"]).await.unwrap();
+    let mut dead = Vec::new();
+    for _ in 0..2 {
+        dead.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    assert!(dead.iter().any(|d| d.message_id() == forged));
+    fx.expect_delivered(&["good".to_owned()], &relay).await;
+    let log = relay.log_text();
+    relay.stop_ok();
+    assert!(
+        log.contains("FAKE LOG LINE"),
+        "the rows were not logged:\n{log}"
+    );
+    assert!(log.contains("…(10000000 bytes)"), "the huge id, capped");
+    for line in log.lines() {
+        assert!(!line.starts_with("FAKE LOG LINE"), "forged line: {line}");
+        assert!(line.len() < 4096, "a line of {} bytes", line.len());
+    }
+    fx.cleanup().await;
+}

@@ -6,6 +6,7 @@
 //! literal exchange is the operator's choice and not checked.
 
 use super::{Name, RenderError};
+use crate::logtext::shown;
 
 /// The checks of a templated exchange (none for a literal one).
 #[derive(Debug, Clone)]
@@ -24,8 +25,8 @@ impl ExchangeGuard {
     /// No allocation unless a pattern is set and the name is in pieces.
     pub(super) fn check(&self, name: &Name<'_>, id: &str) -> Result<(), RenderError> {
         let refuse = |why: String| RenderError::ExchangeRefused {
-            id: id.to_owned(),
-            exchange: name.parts().concat(),
+            id: shown(id),
+            exchange: shown(&name.parts().concat()),
             key: self.key.clone(),
             why,
         };

@@ -27,7 +27,7 @@ pub(super) fn dropped(id: &str, key: &str) {
     *last = Some(Instant::now());
     DROPPED.fetch_sub(n, Ordering::Relaxed);
     tracing::warn!(
-        event_id = %id,
+        event_id = %crate::logtext::Shown(id),
         header = key,
         dropped = n,
         "dropped the row's routing header (CC/BCC routes a copy of the message to keys the \

@@ -22,6 +22,7 @@ use super::refusals::{Head, Refusals};
 use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, CheckpointError, Progress, Seq};
 use crate::config::RabbitmqConfig;
+use crate::logtext::Shown;
 use crate::lsn::Lsn;
 use crate::message::{
     Envelope, MessageView, RenderError, dead_letter_unrenderable, event_id, render, view,
@@ -177,13 +178,13 @@ impl<'a> Publisher<'a> {
     ) -> Result<InFlight, PublishError> {
         let (seq, commit_time_us, attempts) = (f.seq, f.commit_time_us, f.attempts);
         let Some(dlx) = self.dlx(f.outbox()) else {
-            error!(event_id = %env.id(), reason, "undeliverable event and no dead-letter exchange; stopping");
+            error!(event_id = %Shown(env.id()), reason, "undeliverable event and no dead-letter exchange; stopping");
             return Err(PublishError::Undeliverable {
                 id: env.id().to_owned(),
                 reason: reason.to_owned(),
             });
         };
-        error!(event_id = %env.id(), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
+        error!(event_id = %Shown(env.id()), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
         let dl = env.dead_letter(dlx, reason, attempts);
         Ok(InFlight::dead_letter(seq, commit_time_us, dl))
     }
@@ -241,7 +242,7 @@ impl<'a> Publisher<'a> {
                     error!(error = %e, "undeliverable event and no dead-letter exchange; stopping");
                     return Err(PublishError::Render(e));
                 };
-                error!(event_id = %event_id(ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %Shown(&event_id(ev)), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
                 let dl = dead_letter_unrenderable(ev, &e, dlx);
                 // The dead letter carries the row's body: it must fit too.
                 let limit = self.max_body();
@@ -260,7 +261,7 @@ impl<'a> Publisher<'a> {
                         reason: reason.clone(),
                     });
                 };
-                error!(event_id = %m.message_id, %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %Shown(m.message_id), %reason, dead_letter_exchange = %dlx, "dead-lettering event");
                 // Bare: whatever in its headers or body the broker refused
                 // is not sent again.
                 let dl = m.to_envelope().dead_letter(dlx, reason, 0);
@@ -280,7 +281,7 @@ impl<'a> Publisher<'a> {
                         reason,
                     });
                 };
-                error!(event_id = %m.message_id, %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %Shown(m.message_id), %reason, dead_letter_exchange = %dlx, "dead-lettering event");
                 return Ok(Err(m.to_envelope().dead_letter(dlx, &reason, 0)));
             }
         }
@@ -295,7 +296,7 @@ impl<'a> Publisher<'a> {
                     ),
                 });
             };
-            error!(event_id = %m.message_id, bytes = m.body.len(), limit, "dead-lettering oversized event");
+            error!(event_id = %Shown(m.message_id), bytes = m.body.len(), limit, "dead-lettering oversized event");
             return Ok(Err(m.to_envelope().dead_letter_oversized(dlx, limit)));
         }
         Ok(Ok(m))

@@ -84,7 +84,7 @@ pub fn learn(
                 // operator must declare it.
                 return Some(PublishError::Sink(SinkError::NoExchange(exchange)));
             }
-            warn!(%exchange, "the broker has no such exchange; its events will be dead-lettered");
+            warn!(exchange = %crate::logtext::Shown(&exchange), "the broker has no such exchange; its events will be dead-lettered");
             refusals.missing.insert(exchange);
         }
         Disposition::BodyLimit(limit) => {
@@ -132,7 +132,7 @@ pub fn learn(
                     "the broker ended {n} sessions while this was the oldest unconfirmed \
                      message, last with: {e}"
                 );
-                warn!(event_id = %id, %reason, "giving up on the event");
+                warn!(event_id = %crate::logtext::Shown(&id), %reason, "giving up on the event");
                 refusals.poison.insert(id, reason);
             }
         }
