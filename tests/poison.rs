@@ -499,6 +499,83 @@ async fn a_row_cannot_route_itself_past_its_template() {
     fx.cleanup().await;
 }
 
+/// A templated exchange the broker refuses costs neither a stop nor a
+/// session: one the relay's user may not write to (403, by its write
+/// permission) and several that do not exist (404, each a new name) are
+/// learnt within the session, their events dead-lettered saying why, and
+/// the events around them delivered; the relay streams in one session
+/// throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_templated_exchanges_are_dead_lettered_within_the_session() {
+    let mut fx = Fixture::new("refusedx").await;
+    let mut dlq = dead_letters(&fx, "").await;
+    set_templates(&fx, "{aggregate_type}", "{event_type}");
+    let forbidden = fx.scoped("forbidden");
+    fx.declare_bound(&forbidden, Some(&fx.queue), "#").await;
+    let user = fx.scoped("relay");
+    rabbitmq_ctl(&["ctl", "add_user", &user, "pw"]);
+    rabbitmq_ctl(&[
+        "ctl",
+        "set_permissions",
+        "-p",
+        "/",
+        &user,
+        ".*",
+        "^(?!forbidden_).*",
+        ".*",
+    ]);
+    let url = amqp_url().replace("guest:guest", &format!("{user}:pw"));
+    assert_ne!(url, amqp_url());
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_RABBITMQ_URL", url.as_str())]);
+    let (mut good, mut refused) = (Vec::new(), Vec::new());
+    let exchange = fx.exchange.clone();
+    for i in 0..4 {
+        let to = match i {
+            0 => forbidden.clone(),
+            i => fx.scoped(&format!("missing{i}")),
+        };
+        let payload = serde_json::json!({ "i": i });
+        good.push(fx.insert(&pg, &exchange, "a", "placed", &payload).await);
+        refused.push((fx.insert(&pg, &to, "a", "placed", &payload).await, i));
+    }
+    good.push(
+        fx.insert(&pg, &exchange, "a", "placed", &serde_json::json!({}))
+            .await,
+    );
+    // What waited for a confirm when a channel closed is published again:
+    // a dead letter may come twice.
+    let mut dls: Vec<Received> = Vec::new();
+    while !refused
+        .iter()
+        .all(|(id, _)| dls.iter().any(|d| &d.message_id() == id))
+    {
+        dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    for (id, i) in &refused {
+        let dl = dls
+            .iter()
+            .find(|d| &d.message_id() == id)
+            .unwrap_or_else(|| panic!("{id} not dead-lettered"));
+        let err = dl.header_str("x-outbox-error").unwrap();
+        let code = if *i == 0 {
+            "403 ACCESS_REFUSED"
+        } else {
+            "404 NOT_FOUND"
+        };
+        assert!(err.contains(code), "{i}: {err}");
+    }
+    fx.expect_delivered(&good, &relay).await;
+    let log = relay.log_text();
+    let sessions = log.matches("streaming from LSN").count();
+    assert_eq!(sessions, 1, "sessions started:\n{log}");
+    assert!(!log.contains("reconnecting"), "{log}");
+    relay.stop_ok();
+    rabbitmq_ctl(&["ctl", "delete_user", &user]);
+    fx.cleanup().await;
+}
+
 /// A templated exchange that renders to a name the broker does not have:
 /// the broker closes the channel (404), the session ends, and the next one
 /// dead-letters the events bound for that exchange while the others flow.

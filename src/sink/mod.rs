@@ -21,6 +21,7 @@ mod hostile;
 pub mod nodes;
 pub mod publisher;
 pub mod refusals;
+pub mod refused;
 pub mod replies;
 #[cfg(test)]
 mod scripted;
@@ -140,7 +141,12 @@ impl SinkError {
     /// restart, a nack, a refusal the next session handles); false when
     /// the operator must change something.
     pub fn is_transient(&self) -> bool {
-        self.disposition() != Disposition::Stop
+        // A refused exchange the publisher did not route around (a
+        // configured one, the dead-letter exchange) is the operator's.
+        !matches!(
+            self.disposition(),
+            Disposition::Stop | Disposition::RefusedExchange(_)
+        )
     }
 }
 
@@ -302,6 +308,17 @@ impl AmqpSink {
         self.wire
             .publish_view(m)
             .map_err(|e| self.error("publishing", e))
+    }
+
+    /// Opens the publishing channel again after the broker closed it:
+    /// delivery tags start from 1 again.
+    pub async fn reopen(&mut self) -> Result<(), SinkError> {
+        let what = "opening the publishing channel again";
+        match tokio::time::timeout(CALL_TIMEOUT, self.wire.reopen_publishing()).await {
+            Err(_) => Err(SinkError::Timeout(what)),
+            Ok(Err(e)) => Err(self.error(what, e)),
+            Ok(Ok(())) => Ok(()),
+        }
     }
 
     /// Enough is queued: wait for an answer (which writes it) before

@@ -44,6 +44,15 @@ impl<T> Unconfirmed<T> {
         self.live += 1;
     }
 
+    /// Every waiting message, oldest first, and the list empty, its tags
+    /// from 1 again: the channel they were published on is gone.
+    pub fn take_all(&mut self) -> Vec<T> {
+        let items = self.slots.drain(..).flatten().map(|s| s.item).collect();
+        self.first_tag = 1;
+        self.live = 0;
+        items
+    }
+
     /// Messages waiting for an answer.
     pub fn len(&self) -> usize {
         self.live
