@@ -54,7 +54,9 @@ pub enum SinkError {
         source: WireError,
     },
     /// The exchange named in the config does not exist.
-    #[error("exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange")]
+    #[error(
+        "exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange (or the exchange of the [[outbox]] naming it)"
+    )]
     NoExchange(String),
     /// The broker connection or channel went away while idle.
     #[error("connection to RabbitMQ lost")]
