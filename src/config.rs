@@ -305,7 +305,18 @@ impl RawConfig {
             }
             None => None,
         };
-        let exchange = Template::parse(&r.exchange).map_err(|e| key_err("rabbitmq.exchange", e))?;
+        let exchange = (r.exchange.as_deref())
+            .map(|x| Template::parse(x).map_err(|e| key_err("rabbitmq.exchange", e)))
+            .transpose()?;
+        let exchange_pattern = match non_empty(r.exchange_pattern) {
+            None => None,
+            Some(p) => Some(regex::Regex::new(&format!("^(?:{p})$")).map_err(|e| {
+                key_err(
+                    "rabbitmq.exchange_pattern",
+                    format!("not a valid regular expression: {e}"),
+                )
+            })?),
+        };
         let routing_key =
             Template::parse(&r.routing_key).map_err(|e| key_err("rabbitmq.routing_key", e))?;
         if routing_key.is_empty() {
@@ -386,12 +397,14 @@ impl RawConfig {
         let outboxes = outbox::parse(
             outbox,
             &outbox::Defaults {
-                exchange: &exchange,
+                exchange: exchange.as_ref(),
+                exchange_pattern: exchange_pattern.as_ref(),
                 routing_key: &routing_key,
                 dead_letter_exchange: &dead_letter_exchange,
             },
         )?;
 
+        let fixed_exchanges = fixed_exchanges(&outboxes);
         let listen = self
             .http
             .listen
@@ -418,6 +431,8 @@ impl RawConfig {
                 urls: urls.into_iter().map(Secret::new).collect(),
                 shuffle: r.shuffle,
                 exchange,
+                fixed_exchanges,
+                exchange_pattern,
                 routing_key,
                 window: r.window as usize,
                 window_bytes: r.window_bytes as usize,
@@ -432,6 +447,18 @@ impl RawConfig {
             http: HttpConfig { listen },
         })
     }
+}
+
+/// The exchanges outboxes name literally (not the default one), each once:
+/// what must exist before publishing.
+fn fixed_exchanges(outboxes: &[OutboxConfig]) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for x in outboxes.iter().filter_map(|o| o.exchange.as_literal()) {
+        if !x.is_empty() && !names.iter().any(|n| n == x) {
+            names.push(x.to_owned());
+        }
+    }
+    names
 }
 
 /// An empty string (e.g. an environment override) means "not set".

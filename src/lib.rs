@@ -17,7 +17,7 @@
 //! | why a session ended | [`error`]: retry or stop, wrapping the source's and the sink's errors |
 //! | the two sides | [`source`]: replication stream, slot, publication, checkpoint table; [`sink`]: the AMQP client and publishing with confirms (neither uses the other) |
 //! | what they share | [`outbox`]: relation cache, outbox INSERT or logical message -> event; [`message`]: event -> AMQP message; [`template`]: `{column}` templates; [`checkpoint`]: the confirmed-LSN watermark and [`checkpoint::Progress`]; [`pgoutput`]: the wire format |
-//! | foundations | [`config`]: validated configuration; [`tls`]: sslmode and CAs; [`pgurl`]: PostgreSQL URLs; [`redact`]: masking secrets; [`metrics`] and [`http`]: metrics, health; [`lsn`]: WAL positions |
+//! | foundations | [`config`]: validated configuration; [`tls`]: sslmode and CAs; [`pgurl`]: PostgreSQL URLs; [`redact`]: masking secrets; [`logtext`]: row text in logs; [`metrics`] and [`http`]: metrics, health; [`lsn`]: WAL positions |
 //!
 //! # LSN invariants
 //!
@@ -44,6 +44,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod logtext;
 pub mod lsn;
 pub mod message;
 pub mod metrics;

@@ -8,6 +8,11 @@ use smallvec::SmallVec;
 
 use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPart};
 
+pub mod guard;
+mod routing_headers;
+
+use crate::logtext::shown;
+
 /// A message ready for `basic.publish`.
 #[derive(Debug, Clone)]
 pub struct Envelope {
@@ -53,6 +58,21 @@ pub enum RenderError {
         /// Its length.
         len: usize,
     },
+    /// The headers column's text is so long that its headers could never
+    /// fit in one frame: refused before it is parsed (parsing costs about
+    /// ten times its size).
+    #[error(
+        "event {id}: the headers column is {bytes} bytes, which can never fit in one frame \
+         (frame_max {frame_max}); it was not read. Shorten the headers"
+    )]
+    HeadersTooLong {
+        /// Event id.
+        id: String,
+        /// The column's size.
+        bytes: usize,
+        /// The connection's frame_max.
+        frame_max: u32,
+    },
     /// The headers column is not a JSON object.
     #[error("event {id}: headers column is not a JSON object")]
     Headers {
@@ -74,6 +94,19 @@ pub enum RenderError {
         id: String,
         /// `CC` or `BCC`.
         key: String,
+    },
+    /// A templated exchange rendered to a name the relay does not publish
+    /// to (see [`guard`]).
+    #[error("event {id}: exchange {exchange:?} (rendered from {key}) is refused: {why}")]
+    ExchangeRefused {
+        /// Event id.
+        id: String,
+        /// The name as rendered.
+        exchange: String,
+        /// The template's config key.
+        key: String,
+        /// Why.
+        why: String,
     },
     /// The properties and headers do not fit in one content-header frame
     /// (`frame_max`): the broker would close the connection over it.
@@ -98,11 +131,11 @@ fn text<'a>(
     id: &str,
 ) -> Result<&'a str, RenderError> {
     let v = ev.value(index).ok_or_else(|| RenderError::Null {
-        id: id.to_owned(),
+        id: shown(id),
         column: column.to_owned(),
     })?;
     std::str::from_utf8(v).map_err(|_| RenderError::NotUtf8 {
-        id: id.to_owned(),
+        id: shown(id),
         column: column.to_owned(),
     })
 }
@@ -111,7 +144,7 @@ fn text<'a>(
 fn check_short(len: usize, what: &'static str, id: &str) -> Result<(), RenderError> {
     if len > 255 {
         return Err(RenderError::TooLong {
-            id: id.to_owned(),
+            id: shown(id),
             what,
             len,
         });
@@ -251,43 +284,79 @@ pub fn render(ev: &OutboxEvent) -> Result<Envelope, RenderError> {
 /// The message for `ev`, borrowed from it: every check of [`render`], no
 /// allocation unless the row has headers to merge.
 pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
+    view_within(ev, u32::MAX)
+}
+
+/// Bytes of a headers column's JSON text per byte of its AMQP encoding,
+/// at most: an escape (`\u001f`) is six bytes for one. A column longer
+/// than this many frames can never fit in one, whatever it holds.
+const HEADER_TEXT_PER_BYTE: usize = 6;
+
+/// As [`view`] on a connection with `frame_max`: the work per row is
+/// bounded by its raw size before anything is parsed. An id over AMQP's
+/// 255 bytes, or a headers column too long to ever fit in a frame, is
+/// refused without being read further.
+pub fn view_within(ev: &OutboxEvent, frame_max: u32) -> Result<MessageView<'_>, RenderError> {
     let m: &Mapping = ev
         .mapping
         .as_ref()
         .map_err(|e| RenderError::Mapping(e.clone()))?;
+    if let Some(raw) = ev.value(m.id).filter(|v| v.len() > 255) {
+        return Err(RenderError::TooLong {
+            id: crate::logtext::shown_bytes(raw),
+            what: "id",
+            len: raw.len(),
+        });
+    }
     let id = text(ev, m.id, "id", "?")?;
     let aggregate_type = text(ev, m.aggregate_type, "aggregate_type", id)?;
     let aggregate_id = text(ev, m.aggregate_id, "aggregate_id", id)?;
     let event_type = text(ev, m.event_type, "event_type", id)?;
     let raw_payload = ev.value(m.payload).ok_or_else(|| RenderError::Null {
-        id: id.to_owned(),
+        id: shown(id),
         column: "payload".into(),
     })?;
     let (body, content_type) = match m.payload_kind {
         PayloadKind::Json => (raw_payload.clone(), "application/json"),
         PayloadKind::Text => (raw_payload.clone(), "text/plain; charset=utf-8"),
         PayloadKind::Bytea => (
-            decode_bytea_hex(raw_payload)
-                .ok_or_else(|| RenderError::Bytea { id: id.to_owned() })?,
+            decode_bytea_hex(raw_payload).ok_or_else(|| RenderError::Bytea { id: shown(id) })?,
             "application/octet-stream",
         ),
     };
 
     let mut headers = None;
     if let Some(h) = m.headers.and_then(|i| ev.value(i)) {
+        if h.len() / HEADER_TEXT_PER_BYTE > frame_max as usize {
+            return Err(RenderError::HeadersTooLong {
+                id: shown(id),
+                bytes: h.len(),
+                frame_max,
+            });
+        }
         let obj: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: id.to_owned() })?;
+            serde_json::from_slice(h).map_err(|_| RenderError::Headers { id: shown(id) })?;
         let mut table = FieldTable::default();
         for (k, v) in obj {
             if k.len() > 255 {
                 return Err(RenderError::TooLong {
-                    id: id.to_owned(),
+                    id: shown(id),
                     what: "header name",
                     len: k.len(),
                 });
             }
+            // The relay's own headers (what a dead letter says) are never
+            // the row's to set.
+            if is_reserved(&k) {
+                continue;
+            }
             // RabbitMQ routes on CC and BCC: an array of long strings, or
             // it closes the channel (nested values are JSON text otherwise).
+            // Only an outbox that opts in lets its rows route themselves.
+            if matches!(k.as_str(), "CC" | "BCC") && !m.routing_headers {
+                routing_headers::dropped(id, &k);
+                continue;
+            }
             if matches!(k.as_str(), "CC" | "BCC") {
                 let keys = v.as_array().and_then(|a| {
                     a.iter()
@@ -296,7 +365,7 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
                 });
                 let Some(keys) = keys else {
                     return Err(RenderError::RoutingHeader {
-                        id: id.to_owned(),
+                        id: shown(id),
                         key: k,
                     });
                 };
@@ -309,8 +378,12 @@ pub fn view(ev: &OutboxEvent) -> Result<MessageView<'_>, RenderError> {
     }
     check_short(id.len(), "id", id)?;
     check_short(event_type.len(), "event type", id)?;
+    let exchange = Name::render(ev, &m.exchange, "exchange", id)?;
+    if let Some(guard) = &m.exchange_guard {
+        guard.check(&exchange, id)?;
+    }
     Ok(MessageView {
-        exchange: Name::render(ev, &m.exchange, "exchange", id)?,
+        exchange,
         routing_key: Name::render(ev, &m.routing_key, "routing key", id)?,
         body,
         message_id: id,
@@ -377,8 +450,18 @@ fn amqp_value_len(v: &AMQPValue) -> usize {
     }
 }
 
+/// A header name of the relay's own (`x-outbox-*`, in any case): a row's
+/// is dropped, so that what a dead letter says comes from the relay alone.
+fn is_reserved(key: &str) -> bool {
+    key.len() >= dead_letter_headers::PREFIX.len()
+        && key.as_bytes()[..dead_letter_headers::PREFIX.len()]
+            .eq_ignore_ascii_case(dead_letter_headers::PREFIX.as_bytes())
+}
+
 /// Headers a dead-lettered message carries, saying why and where it was going.
 pub mod dead_letter_headers {
+    /// What every one of them starts with; a row's own are dropped.
+    pub const PREFIX: &str = "x-outbox-";
     /// Why the event could not be delivered.
     pub const ERROR: &str = "x-outbox-error";
     /// The exchange it was published to (or its template, if unrenderable).
@@ -467,9 +550,16 @@ pub fn event_id(ev: &OutboxEvent) -> String {
         .and_then(|m| ev.value(m.id))
         .map_or_else(
             || "?".to_owned(),
-            |v| String::from_utf8_lossy(v).into_owned(),
+            // One too long to be a message_id is only ever shown: capped.
+            |v| match v.len() {
+                ..=255 => String::from_utf8_lossy(v).into_owned(),
+                _ => crate::logtext::shown_bytes(v),
+            },
         )
 }
+
+/// Bytes of a row beyond its payload that its dead letter may keep alive.
+const ROW_SLACK: usize = 4096;
 
 /// The dead letter for a row that could not become a message at all: what is
 /// known of it (id, payload bytes) and why.
@@ -484,6 +574,14 @@ pub fn dead_letter_unrenderable(ev: &OutboxEvent, err: &RenderError, dlx: &str) 
     }
     .cloned()
     .unwrap_or_default();
+    // The body is a slice of the row: copied out when the row is much
+    // larger (a huge headers column), so that the dead letter does not
+    // keep the whole row alive while it waits for its confirm.
+    let body = if ev.bytes() > body.len() + ROW_SLACK {
+        Bytes::copy_from_slice(&body)
+    } else {
+        body
+    };
     let mut properties = BasicProperties::default().with_delivery_mode(2);
     if id.len() <= 255 {
         properties = properties.with_message_id(ShortString::from(id.as_str()));

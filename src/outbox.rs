@@ -18,6 +18,7 @@ use bytes::Bytes;
 
 use crate::config::OutboxConfig;
 use crate::lsn::Lsn;
+use crate::message::guard::ExchangeGuard;
 use crate::pgoutput::{Column, ColumnValue, LogicalMessage, Relation, TupleData};
 use crate::template::{Part, Template};
 
@@ -90,6 +91,10 @@ pub struct Mapping {
     pub exchange: Vec<ResolvedPart>,
     /// The routing key template, resolved.
     pub routing_key: Vec<ResolvedPart>,
+    /// `outbox.routing_headers`: the row's `CC`/`BCC` are sent (else dropped).
+    pub routing_headers: bool,
+    /// What a templated exchange may render to; `None` for a literal one.
+    pub exchange_guard: Option<ExchangeGuard>,
 }
 
 /// The outbox table's definition does not fit the configuration.
@@ -181,6 +186,15 @@ impl Mapping {
             headers: find_column(&rel.columns, &cols.headers),
             exchange: resolve(&outbox.exchange, &outbox.template_keys.0)?,
             routing_key: resolve(&outbox.routing_key, &outbox.template_keys.1)?,
+            routing_headers: outbox.routing_headers,
+            exchange_guard: outbox
+                .exchange
+                .as_literal()
+                .is_none()
+                .then(|| ExchangeGuard {
+                    key: outbox.template_keys.0.clone(),
+                    pattern: outbox.exchange_pattern.clone(),
+                }),
         })
     }
 }

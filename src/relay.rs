@@ -270,11 +270,12 @@ async fn session(
         let mut sink = AmqpSink::connect(&cfg.rabbitmq, &name, nodes).await?;
         nodes.reached(sink.node());
         // An exchange declared since it was found missing is used again.
-        for exchange in refusals.missing.clone() {
+        let refused = refusals.missing.get_mut().expect("not poisoned");
+        for exchange in refused.names() {
             match sink.check_exchange(&exchange).await {
                 Ok(()) => {
-                    info!(%exchange, "the exchange exists now");
-                    refusals.missing.remove(&exchange);
+                    info!(exchange = %crate::logtext::Shown(&exchange), "the exchange exists now");
+                    refused.remove(&exchange);
                 }
                 Err(SinkError::NoExchange(_)) => {}
                 Err(e) => return Err(e.into()),

@@ -14,8 +14,8 @@ pub enum Part {
 }
 
 /// A parsed template such as `{aggregate_type}.{event_type}`. `{{` and `}}`
-/// stand for literal braces.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// stand for literal braces. The default is the empty template.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Template {
     parts: Vec<Part>,
 }

@@ -517,3 +517,70 @@ async fn recover_and_prune_cover_every_table() {
     }
     fx.cleanup().await;
 }
+
+/// Three outboxes that each name their own exchange need no
+/// `rabbitmq.exchange`: `setup`, `check` and `run` all work without it,
+/// and each outbox's events reach its exchange.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outboxes_with_their_own_exchanges_need_no_global_one() {
+    let mut fx = Fixture::new("ownexchanges").await;
+    let pg = pg_connect().await;
+    let (b, c) = (format!("{}_b", fx.table), format!("{}_c", fx.table));
+    create_table(&pg, &b).await;
+    create_table(&pg, &c).await;
+    let (xb, xc) = (fx.scoped("xb"), fx.scoped("xc"));
+    fx.declare_bound(&xb, Some(&fx.queue), "#").await;
+    fx.declare_bound(&xc, Some(&fx.queue), "#").await;
+    set_outboxes(
+        &fx,
+        "",
+        "",
+        &format!(
+            "[[outbox]]\ntable = \"public.{}\"\nexchange = \"{}\"\n\n\
+             [[outbox]]\ntable = \"public.{b}\"\nexchange = \"{xb}\"\n\n\
+             [[outbox]]\ntable = \"public.{c}\"\nexchange = \"{xc}\"\n",
+            fx.table, fx.exchange
+        ),
+    );
+    let global = format!("exchange = \"{}\"\nrouting_key", fx.exchange);
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    assert!(text.contains(&global), "{text}");
+    std::fs::write(&fx.config, text.replace(&global, "routing_key")).unwrap();
+
+    fx.relay_ok("setup", &[]);
+    let out = fx.relay_cmd("check").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    for x in [&fx.exchange, &xb, &xc] {
+        assert!(
+            said.contains(&format!("ok exchange {x:?}")),
+            "{x}:\n{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(!said.contains("FAIL"), "{said}");
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay();
+    let mut ids = Vec::new();
+    for t in [fx.table.clone(), b.clone(), c.clone()] {
+        let id: String = pg
+            .query_one(
+                &format!(
+                    "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
+                     VALUES ('order', '1', 'placed', '{{}}') RETURNING id::text"
+                ),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        ids.push(id);
+    }
+    fx.expect_delivered(&ids, &relay).await;
+    relay.stop_ok();
+    for t in [&b, &c] {
+        pg.batch_execute(&format!("DROP TABLE IF EXISTS {t}"))
+            .await
+            .unwrap();
+    }
+    fx.cleanup().await;
+}

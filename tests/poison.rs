@@ -254,6 +254,8 @@ async fn a_refusing_dead_letter_exchange_stops_the_relay() {
 async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on() {
     let mut fx = Fixture::new("badheaders").await;
     let mut dlq = dead_letters(&fx, "max_message_bytes = 4096").await;
+    // CC and BCC are sent (and so checked) only when the outbox opts in.
+    routing_headers_on(&fx);
     fx.start_consumer().await;
     let pg = pg_connect().await;
     let relay = fx.spawn_relay();
@@ -340,6 +342,237 @@ async fn rows_the_broker_would_refuse_are_dead_lettered_and_the_stream_moves_on(
     fx.expect_delivered(std::slice::from_ref(&good_cc), &relay)
         .await;
     relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// Turns `routing_headers` on for the fixture's outbox.
+fn routing_headers_on(fx: &Fixture) {
+    let single = format!("[outbox]\ntable = \"public.{}\"\n", fx.table);
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    assert!(text.contains(&single), "{text}");
+    let text = text.replace(&single, &format!("{single}routing_headers = true\n"));
+    std::fs::write(&fx.config, text).unwrap();
+}
+
+/// A row's headers do not steer the broker by default: its `CC` copy to
+/// another queue is dropped, unless the outbox sets `routing_headers`;
+/// and the `x-outbox-*` headers it sets (which a dead-letter consumer
+/// would trust) are never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_headers_route_nothing_unless_the_outbox_opts_in() {
+    let mut fx = Fixture::new("ccoptin").await;
+    fx.rebind_queue("order.#").await;
+    let victim = fx.scoped("victim");
+    fx.declare_bound(&fx.exchange.clone(), Some(&victim), "victim")
+        .await;
+    let mut copies = fx.consume(&victim).await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let insert = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+         VALUES ('order', 'a', 'placed', '{{}}', \
+         '{{\"CC\": [\"victim\"], \"x-outbox-error\": \"forged\", \"X-OUTBOX-ATTEMPTS\": 1}}') \
+         RETURNING id::text",
+        fx.table
+    );
+    let relay = fx.spawn_relay();
+    let off: String = pg.query_one(&insert, &[]).await.unwrap().get(0);
+    let got = fx
+        .expect_delivered(std::slice::from_ref(&off), &relay)
+        .await;
+    let r = got.iter().find(|r| r.message_id() == off).unwrap();
+    for forged in ["x-outbox-error", "X-OUTBOX-ATTEMPTS", "CC"] {
+        assert!(r.header(forged).is_none(), "{forged} sent");
+    }
+    assert!(
+        relay
+            .wait_log("routing_headers = true", Duration::from_secs(5))
+            .await,
+        "the drop is not logged:\n{}",
+        relay.log_tail()
+    );
+    relay.stop_ok();
+
+    routing_headers_on(&fx);
+    let relay = fx.spawn_relay();
+    let on: String = pg.query_one(&insert, &[]).await.unwrap().get(0);
+    fx.expect_delivered(std::slice::from_ref(&on), &relay).await;
+    // The queue gets copies in publish order: the first it gets is the
+    // second row's, so the first row's was never sent.
+    let copy = recv_one(&mut copies, "CC copy", &relay).await;
+    assert_eq!(copy.message_id(), on, "the first row copied itself");
+    assert!(copy.header("x-outbox-error").is_none());
+    relay.stop_ok();
+    let ch = fx.amqp.create_channel().await.unwrap();
+    let _ = ch
+        .queue_delete(victim.as_str().into(), Default::default())
+        .await;
+    fx.cleanup().await;
+}
+
+/// Makes the fixture's exchange the template `exchange`, and its routing
+/// key `routing_key`.
+fn set_templates(fx: &Fixture, exchange: &str, routing_key: &str) {
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let fixed = format!(
+        "exchange = \"{}\"\nrouting_key = \"{{aggregate_type}}.{{event_type}}\"",
+        fx.exchange
+    );
+    assert!(text.contains(&fixed), "{text}");
+    let templated = format!("exchange = \"{exchange}\"\nrouting_key = \"{routing_key}\"");
+    std::fs::write(&fx.config, text.replace(&fixed, &templated)).unwrap();
+}
+
+/// The attack of issue 25: under `exchange = "{aggregate_type}"`,
+/// `routing_key = "{event_type}"`, rows with `aggregate_type = ''` and
+/// `event_type = '<a queue>'` would go through the default exchange
+/// straight into that queue. They, a row naming an `amq.*` exchange and
+/// one outside `rabbitmq.exchange_pattern` are dead-lettered saying why;
+/// the queue gets nothing; a row within the pattern is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_cannot_route_itself_past_its_template() {
+    use lapin::options::QueueDeclareOptions;
+    let mut fx = Fixture::new("selfroute").await;
+    let mut dlq = dead_letters(&fx, "exchange_pattern = \"ex_[a-z0-9_]+\"").await;
+    set_templates(&fx, "{aggregate_type}", "{event_type}");
+    let victim = fx.scoped("victim_q");
+    let ch = fx.amqp.create_channel().await.unwrap();
+    ch.queue_declare(
+        victim.as_str().into(),
+        QueueDeclareOptions::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let mut refused = Vec::new();
+    for (n, aggregate_type) in ["", "", "", "amq.direct", "elsewhere"].iter().enumerate() {
+        let payload = serde_json::json!({ "n": n });
+        let id = fx.insert(&pg, aggregate_type, "a", &victim, &payload).await;
+        refused.push((id, *aggregate_type));
+    }
+    let good = fx
+        .insert(&pg, &fx.exchange, "a", "placed", &serde_json::json!({}))
+        .await;
+    let mut dls = Vec::new();
+    for _ in &refused {
+        dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    for (id, aggregate_type) in &refused {
+        let dl = dls
+            .iter()
+            .find(|d| &d.message_id() == id)
+            .unwrap_or_else(|| panic!("{id} ({aggregate_type:?}) not dead-lettered"));
+        let err = dl.header_str("x-outbox-error").unwrap();
+        let why = match *aggregate_type {
+            "" => "default exchange",
+            "amq.direct" => "broker's own",
+            _ => "rabbitmq.exchange_pattern",
+        };
+        assert!(
+            err.contains(why) && err.contains("rabbitmq.exchange"),
+            "{aggregate_type:?}: {err}"
+        );
+    }
+    fx.expect_delivered(std::slice::from_ref(&good), &relay)
+        .await;
+    // Each refused row was dead-lettered instead of published: the queue
+    // its routing key names never got one.
+    let q = ch
+        .queue_declare(
+            victim.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(q.message_count(), 0, "a row routed itself into {victim}");
+    relay.stop_ok();
+    let _ = ch
+        .queue_delete(victim.as_str().into(), Default::default())
+        .await;
+    fx.cleanup().await;
+}
+
+/// A templated exchange the broker refuses costs neither a stop nor a
+/// session: one the relay's user may not write to (403, by its write
+/// permission) and several that do not exist (404, each a new name) are
+/// learnt within the session, their events dead-lettered saying why, and
+/// the events around them delivered; the relay streams in one session
+/// throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_templated_exchanges_are_dead_lettered_within_the_session() {
+    let mut fx = Fixture::new("refusedx").await;
+    let mut dlq = dead_letters(&fx, "").await;
+    set_templates(&fx, "{aggregate_type}", "{event_type}");
+    let forbidden = fx.scoped("forbidden");
+    fx.declare_bound(&forbidden, Some(&fx.queue), "#").await;
+    let user = fx.scoped("relay");
+    rabbitmq_ctl(&["ctl", "add_user", &user, "pw"]);
+    rabbitmq_ctl(&[
+        "ctl",
+        "set_permissions",
+        "-p",
+        "/",
+        &user,
+        ".*",
+        "^(?!forbidden_).*",
+        ".*",
+    ]);
+    let url = amqp_url().replace("guest:guest", &format!("{user}:pw"));
+    assert_ne!(url, amqp_url());
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_RABBITMQ_URL", url.as_str())]);
+    let (mut good, mut refused) = (Vec::new(), Vec::new());
+    let exchange = fx.exchange.clone();
+    for i in 0..4 {
+        let to = match i {
+            0 => forbidden.clone(),
+            i => fx.scoped(&format!("missing{i}")),
+        };
+        let payload = serde_json::json!({ "i": i });
+        good.push(fx.insert(&pg, &exchange, "a", "placed", &payload).await);
+        refused.push((fx.insert(&pg, &to, "a", "placed", &payload).await, i));
+    }
+    good.push(
+        fx.insert(&pg, &exchange, "a", "placed", &serde_json::json!({}))
+            .await,
+    );
+    // What waited for a confirm when a channel closed is published again:
+    // a dead letter may come twice.
+    let mut dls: Vec<Received> = Vec::new();
+    while !refused
+        .iter()
+        .all(|(id, _)| dls.iter().any(|d| &d.message_id() == id))
+    {
+        dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    for (id, i) in &refused {
+        let dl = dls
+            .iter()
+            .find(|d| &d.message_id() == id)
+            .unwrap_or_else(|| panic!("{id} not dead-lettered"));
+        let err = dl.header_str("x-outbox-error").unwrap();
+        let code = if *i == 0 {
+            "403 ACCESS_REFUSED"
+        } else {
+            "404 NOT_FOUND"
+        };
+        assert!(err.contains(code), "{i}: {err}");
+    }
+    fx.expect_delivered(&good, &relay).await;
+    let log = relay.log_text();
+    let sessions = log.matches("streaming from LSN").count();
+    assert_eq!(sessions, 1, "sessions started:\n{log}");
+    assert!(!log.contains("reconnecting"), "{log}");
+    relay.stop_ok();
+    rabbitmq_ctl(&["ctl", "delete_user", &user]);
     fx.cleanup().await;
 }
 
@@ -516,5 +749,112 @@ async fn headers_at_the_frame_limit_arrive_and_one_byte_over_are_dead_lettered()
         "{err}"
     );
     relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// One row cannot crash-loop the relay: a headers column of about 40 MB
+/// (`jsonb_object_agg` over two million keys), which parsed would cost
+/// about ten times its size, is judged by its length before any parse and
+/// dead-lettered without its headers; the relay's peak RSS stays under the
+/// Kubernetes manifest's 256 MiB limit, and the rows after it arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_headers_column_is_dead_lettered_unread_within_256_mib() {
+    let mut fx = Fixture::new("hugeheaders").await;
+    let mut dlq = dead_letters(&fx, "").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let before = fx
+        .insert(&pg, "order", "a", "placed", &serde_json::json!({}))
+        .await;
+    fx.expect_delivered(std::slice::from_ref(&before), &relay)
+        .await;
+    let row = pg
+        .query_one(
+            &format!(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, headers) \
+                 SELECT 'order', 'a', 'placed', '{{\"n\": 1}}', jsonb_object_agg('k' || g, g) \
+                 FROM generate_series(1, 2000000) g RETURNING id::text, octet_length(headers::text)",
+                fx.table
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let (huge, bytes): (String, i32) = (row.get(0), row.get(1));
+    assert!(bytes > 35_000_000, "headers of {bytes} bytes");
+    let after = fx
+        .insert(&pg, "order", "a", "placed", &serde_json::json!({}))
+        .await;
+    let dl = recv_one(&mut dlq, "dead letter", &relay).await;
+    assert_eq!(dl.message_id(), huge);
+    fx.expect_delivered(std::slice::from_ref(&after), &relay)
+        .await;
+    let peak = relay.peak_rss_bytes();
+    println!(
+        "peak RSS with a {bytes}-byte headers column: {} MiB",
+        peak >> 20
+    );
+    assert!(peak < 256 << 20, "peak RSS {} MiB", peak >> 20);
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(
+        err.contains(&format!("{bytes} bytes")) && err.contains("frame_max"),
+        "{err}"
+    );
+    assert!(
+        dl.header("k1").is_none() && dl.header("k2000000").is_none(),
+        "the dead letter carries the headers"
+    );
+    assert_eq!(dl.json(), serde_json::json!({"n": 1}));
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// Log lines cannot be forged from a row, nor blown up by one: an id, an
+/// exchange or a routing key holding `\n` or `\r` is logged escaped, and a
+/// 10 MB id is logged cut short with its size. The text log has no line
+/// starting with the forged text and none longer than a bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_text_cannot_forge_or_flood_log_lines() {
+    const DDL: &str = "CREATE TABLE {table} (id text NOT NULL, aggregate_type text NOT NULL, \
+                       aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL, \
+                       headers jsonb, created_at timestamptz NOT NULL DEFAULT now())";
+    let mut fx = Fixture::with_ddl("logforge", "", DDL).await;
+    let mut dlq = dead_letters(&fx, "").await;
+    fx.rebind_queue("ok.#").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let insert = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, $2, 'a', 'e', '{{}}')",
+        fx.table
+    );
+    let forged = "x\nFAKE LOG LINE id\r\nFAKE LOG LINE cr";
+    // Unroutable: its id and routing key are logged at each retry, then
+    // it is dead-lettered.
+    pg.execute(&insert, &[&forged, &"bad\nFAKE LOG LINE key"])
+        .await
+        .unwrap();
+    let huge = "i".repeat(10_000_000);
+    pg.execute(&insert, &[&huge, &"ok"]).await.unwrap();
+    pg.execute(&insert, &[&"good", &"ok"]).await.unwrap();
+    let mut dead = Vec::new();
+    for _ in 0..2 {
+        dead.push(recv_one(&mut dlq, "dead letter", &relay).await);
+    }
+    assert!(dead.iter().any(|d| d.message_id() == forged));
+    fx.expect_delivered(&["good".to_owned()], &relay).await;
+    let log = relay.log_text();
+    relay.stop_ok();
+    assert!(
+        log.contains("FAKE LOG LINE"),
+        "the rows were not logged:\n{log}"
+    );
+    assert!(log.contains("…(10000000 bytes)"), "the huge id, capped");
+    for line in log.lines() {
+        assert!(!line.starts_with("FAKE LOG LINE"), "forged line: {line}");
+        assert!(line.len() < 4096, "a line of {} bytes", line.len());
+    }
     fx.cleanup().await;
 }

@@ -28,6 +28,7 @@ pub(super) struct RawOutbox {
     exchange: Option<String>,
     routing_key: Option<String>,
     dead_letter_exchange: Option<String>,
+    routing_headers: Option<bool>,
 }
 
 /// Where an outbox's events come from.
@@ -56,12 +57,18 @@ pub struct OutboxConfig {
     pub columns: OutboxColumns,
     /// Exchange template (`rabbitmq.exchange` unless the outbox sets one).
     pub exchange: Template,
+    /// `rabbitmq.exchange_pattern`: what the exchange template must render
+    /// to (a literal exchange is the operator's and not held to it).
+    pub exchange_pattern: Option<regex::Regex>,
     /// Routing key template (`rabbitmq.routing_key` unless set here).
     pub routing_key: Template,
     /// The config keys the two templates come from, for messages.
     pub template_keys: (String, String),
     /// Dead-letter exchange (`rabbitmq.dead_letter_exchange` unless set here).
     pub dead_letter_exchange: Option<String>,
+    /// `routing_headers`: the row's `CC` and `BCC` headers (RabbitMQ's
+    /// sender-selected distribution) are sent; off, they are dropped.
+    pub routing_headers: bool,
 }
 
 impl OutboxConfig {
@@ -76,10 +83,12 @@ impl OutboxConfig {
             key: "outbox".into(),
             source,
             columns,
-            exchange: rabbitmq.exchange.clone(),
+            exchange: rabbitmq.exchange.clone().unwrap_or_default(),
+            exchange_pattern: rabbitmq.exchange_pattern.clone(),
             routing_key: rabbitmq.routing_key.clone(),
             template_keys: ("rabbitmq.exchange".into(), "rabbitmq.routing_key".into()),
             dead_letter_exchange: rabbitmq.dead_letter_exchange.clone(),
+            routing_headers: false,
         }
     }
 
@@ -171,7 +180,9 @@ impl OutboxColumns {
 
 /// What every outbox inherits from `[rabbitmq]`.
 pub(super) struct Defaults<'a> {
-    pub exchange: &'a Template,
+    /// `None`: every outbox must set its own.
+    pub exchange: Option<&'a Template>,
+    pub exchange_pattern: Option<&'a regex::Regex>,
     pub routing_key: &'a Template,
     pub dead_letter_exchange: &'a Option<String>,
 }
@@ -310,7 +321,15 @@ fn validate(r: RawOutbox, key: String, d: &Defaults<'_>) -> Result<OutboxConfig,
     );
     let exchange = match r.exchange {
         Some(x) => Template::parse(&x).map_err(|e| key_err(&at("exchange"), e))?,
-        None => d.exchange.clone(),
+        None => d.exchange.cloned().ok_or_else(|| {
+            key_err(
+                "rabbitmq.exchange",
+                format!(
+                    "missing: {key} sets no exchange of its own; set rabbitmq.exchange, or \
+                     {key}.exchange"
+                ),
+            )
+        })?,
     };
     let routing_key = match r.routing_key {
         Some(x) => {
@@ -335,9 +354,11 @@ fn validate(r: RawOutbox, key: String, d: &Defaults<'_>) -> Result<OutboxConfig,
         source,
         columns,
         exchange,
+        exchange_pattern: d.exchange_pattern.cloned(),
         routing_key,
         template_keys,
         dead_letter_exchange,
+        routing_headers: r.routing_headers.unwrap_or(false),
     })
 }
 
@@ -424,6 +445,59 @@ mod tests {
             let e = err(text);
             assert!(e.contains(says), "{text}: {e}");
         }
+    }
+
+    /// `rabbitmq.exchange` is needed only by outboxes without their own:
+    /// three that each set one load without it; one that does not is
+    /// refused, naming both keys. Every literal exchange is checked on
+    /// connecting, each once.
+    #[test]
+    fn the_global_exchange_is_needed_only_by_outboxes_without_their_own() {
+        let head = "[postgres]\nurl = \"postgres://u@h/db\"\n[rabbitmq]\nurl = \"amqp://h\"\n";
+        let each = "[[outbox]]\ntable = \"a\"\nexchange = \"xa\"\n\
+                    [[outbox]]\ntable = \"b\"\nexchange = \"xb\"\n\
+                    [[outbox]]\ntable = \"c\"\nexchange = \"{aggregate_type}\"\n";
+        let c = Config::from_toml(&format!("{head}{each}"), "t.toml", Vec::new()).unwrap();
+        assert!(c.rabbitmq.exchange.is_none());
+        assert_eq!(c.rabbitmq.fixed_exchanges, ["xa", "xb"]);
+        let lacking = format!("{head}{each}[[outbox]]\ntable = \"d\"\n");
+        let e = Config::from_toml(&lacking, "t.toml", Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rabbitmq.exchange") && e.contains("outbox[3].exchange"),
+            "{e}"
+        );
+        let c = load(
+            "[[outbox]]\ntable = \"a\"\n[[outbox]]\ntable = \"b\"\nexchange = \"\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.rabbitmq.fixed_exchanges,
+            ["ex"],
+            "once; not the default exchange"
+        );
+    }
+
+    /// `rabbitmq.exchange_pattern` is checked when the config loads,
+    /// naming the key, and anchored: it must match a whole name.
+    #[test]
+    fn the_exchange_pattern_is_validated_and_anchored() {
+        let text = |p: &str| {
+            format!(
+                "[postgres]\nurl = \"postgres://u@h/db\"\n[rabbitmq]\nurl = \"amqp://h\"\n\
+                 exchange = \"{{aggregate_type}}\"\nexchange_pattern = {p:?}\n"
+            )
+        };
+        let e = Config::from_toml(&text("app.(["), "t.toml", Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rabbitmq.exchange_pattern"), "{e}");
+        let c = Config::from_toml(&text("app|web"), "t.toml", Vec::new()).unwrap();
+        let p = c.outboxes[0].exchange_pattern.as_ref().unwrap();
+        assert!(p.is_match("app") && p.is_match("web"));
+        assert!(!p.is_match("apps") && !p.is_match("xweb"));
     }
 
     #[test]

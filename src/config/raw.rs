@@ -45,7 +45,10 @@ pub(super) struct RawRabbitmq {
     pub(super) url: RawUrls,
     #[serde(default)]
     pub(super) shuffle: bool,
-    pub(super) exchange: String,
+    #[serde(default)]
+    pub(super) exchange: Option<String>,
+    #[serde(default)]
+    pub(super) exchange_pattern: Option<String>,
     #[serde(default = "default_routing_key")]
     pub(super) routing_key: String,
     #[serde(default = "default_window", deserialize_with = "de_u64")]

@@ -93,8 +93,15 @@ pub struct RabbitmqConfig {
     pub urls: Vec<Secret>,
     /// Try the nodes in a random order (chosen once per process).
     pub shuffle: bool,
-    /// Exchange template.
-    pub exchange: Template,
+    /// Exchange template: what outboxes without their own use (`None`:
+    /// every outbox sets one).
+    pub exchange: Option<Template>,
+    /// The exchanges outboxes name literally (the default one aside), each
+    /// once: checked to exist on connecting.
+    pub fixed_exchanges: Vec<String>,
+    /// `rabbitmq.exchange_pattern`, anchored: what a templated exchange
+    /// must render to in full (`None`: any name but `""` and `amq.*`).
+    pub exchange_pattern: Option<regex::Regex>,
     /// Routing key template.
     pub routing_key: Template,
     /// Most publishes awaiting a confirm at once.

@@ -11,7 +11,9 @@ fn rabbit(exchange: &str, rk: &str) -> RabbitmqConfig {
     RabbitmqConfig {
         urls: vec![Secret::new("amqp://x")],
         shuffle: false,
-        exchange: Template::parse(exchange).unwrap(),
+        exchange: Some(Template::parse(exchange).unwrap()),
+        fixed_exchanges: Vec::new(),
+        exchange_pattern: None,
         routing_key: Template::parse(rk).unwrap(),
         window: 10,
         window_bytes: 32 << 20,
@@ -268,4 +270,44 @@ fn bytea_hex_decoding() {
     assert!(decode_bytea_hex(b"\\x0").is_none());
     assert!(decode_bytea_hex(b"\\xzz").is_none());
     assert!(decode_bytea_hex(b"00").is_none());
+}
+
+/// A row's `CC`/`BCC` are sent only when its outbox opts in
+/// (`routing_headers`); its `x-outbox-*` headers, in any case, never.
+#[test]
+fn routing_headers_are_opt_in_and_the_relays_own_headers_are_stripped() {
+    let rel = relation(3802, true);
+    let mut ev = event(
+        &rel,
+        "{aggregate_type}",
+        &[
+            Some("1"),
+            Some("order"),
+            Some("42"),
+            Some("created"),
+            Some("{}"),
+            Some(
+                r#"{"CC": ["victim"], "BCC": ["other"], "x-outbox-error": "forged",
+                    "X-Outbox-Attempts": 9, "x-outboxed": "kept", "tenant": "acme"}"#,
+            ),
+        ],
+    );
+    let headers = |ev: &OutboxEvent| render(ev).unwrap().properties.headers().clone().unwrap();
+    let h = headers(&ev);
+    for gone in ["CC", "BCC", "x-outbox-error", "X-Outbox-Attempts"] {
+        assert!(!h.inner().contains_key(gone), "{gone} sent");
+    }
+    assert!(h.inner().contains_key("x-outboxed") && h.inner().contains_key("tenant"));
+    Arc::get_mut(ev.mapping.as_mut().unwrap())
+        .unwrap()
+        .routing_headers = true;
+    let h = headers(&ev);
+    assert_eq!(
+        h.inner().get("CC"),
+        Some(&AMQPValue::FieldArray(
+            vec![AMQPValue::LongString("victim".into())].into()
+        ))
+    );
+    assert!(h.inner().contains_key("BCC"));
+    assert!(!h.inner().contains_key("x-outbox-error"));
 }

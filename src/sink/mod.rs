@@ -21,6 +21,7 @@ mod hostile;
 pub mod nodes;
 pub mod publisher;
 pub mod refusals;
+pub mod refused;
 pub mod replies;
 #[cfg(test)]
 mod scripted;
@@ -54,7 +55,9 @@ pub enum SinkError {
         source: WireError,
     },
     /// The exchange named in the config does not exist.
-    #[error("exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange")]
+    #[error(
+        "exchange {0:?} does not exist on the broker; declare it, or fix rabbitmq.exchange (or the exchange of the [[outbox]] naming it)"
+    )]
     NoExchange(String),
     /// The broker connection or channel went away while idle.
     #[error("connection to RabbitMQ lost")]
@@ -141,7 +144,12 @@ impl SinkError {
     /// restart, a nack, a refusal the next session handles); false when
     /// the operator must change something.
     pub fn is_transient(&self) -> bool {
-        self.disposition() != Disposition::Stop
+        // A refused exchange the publisher did not route around (a
+        // configured one, the dead-letter exchange) is the operator's.
+        !matches!(
+            self.disposition(),
+            Disposition::Stop | Disposition::RefusedExchange(_)
+        )
     }
 }
 
@@ -249,7 +257,7 @@ impl AmqpSink {
             Ok(Ok(wire)) => wire,
         };
         let mut sink = AmqpSink { wire, url, node };
-        if let Some(exchange) = cfg.exchange.as_literal() {
+        for exchange in &cfg.fixed_exchanges {
             sink.check_exchange(exchange).await?;
         }
         Ok(sink)
@@ -307,6 +315,17 @@ impl AmqpSink {
         self.wire
             .publish_view(m)
             .map_err(|e| self.error("publishing", e))
+    }
+
+    /// Opens the publishing channel again after the broker closed it:
+    /// delivery tags start from 1 again.
+    pub async fn reopen(&mut self) -> Result<(), SinkError> {
+        let what = "opening the publishing channel again";
+        match tokio::time::timeout(CALL_TIMEOUT, self.wire.reopen_publishing()).await {
+            Err(_) => Err(SinkError::Timeout(what)),
+            Ok(Err(e)) => Err(self.error(what, e)),
+            Ok(Ok(())) => Ok(()),
+        }
     }
 
     /// Enough is queued: wait for an answer (which writes it) before

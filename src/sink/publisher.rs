@@ -19,12 +19,16 @@ use tokio_util::sync::CancellationToken;
 
 use super::budget::ByteBudget;
 use super::refusals::{Head, Refusals};
+use super::refused::{Refusal, RefusedExchanges};
+use super::replies::Disposition;
 use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, CheckpointError, Progress, Seq};
 use crate::config::RabbitmqConfig;
+use crate::logtext::Shown;
 use crate::lsn::Lsn;
 use crate::message::{
     Envelope, MessageView, RenderError, dead_letter_unrenderable, event_id, render, view,
+    view_within,
 };
 use prometheus_client::metrics::counter::Counter;
 
@@ -116,9 +120,12 @@ struct Publisher<'a> {
     /// Re-publishes waiting for their delay.
     retries: FuturesUnordered<Retry>,
     clock: ConfirmClock,
-    /// Exchanges the broker said do not exist (templated exchanges): events
-    /// bound for them are dead-lettered instead of closing the channel.
+    /// What earlier sessions learnt.
     refusals: &'a Refusals,
+    /// Templated exchanges the broker refused (404, 403): events bound for
+    /// them are dead-lettered instead of closing the channel. Taken from
+    /// `refusals` for the session, given back when it ends.
+    refused: RefusedExchanges,
     /// Events published this session.
     sent: u64,
     /// Bytes held by messages not yet confirmed (waiting, or waiting for a
@@ -176,13 +183,13 @@ impl<'a> Publisher<'a> {
     ) -> Result<InFlight, PublishError> {
         let (seq, commit_time_us, attempts) = (f.seq, f.commit_time_us, f.attempts);
         let Some(dlx) = self.dlx(f.outbox()) else {
-            error!(event_id = %env.id(), reason, "undeliverable event and no dead-letter exchange; stopping");
+            error!(event_id = %Shown(env.id()), reason, "undeliverable event and no dead-letter exchange; stopping");
             return Err(PublishError::Undeliverable {
                 id: env.id().to_owned(),
                 reason: reason.to_owned(),
             });
         };
-        error!(event_id = %env.id(), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
+        error!(event_id = %Shown(env.id()), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
         let dl = env.dead_letter(dlx, reason, attempts);
         Ok(InFlight::dead_letter(seq, commit_time_us, dl))
     }
@@ -199,18 +206,66 @@ impl<'a> Publisher<'a> {
         let seq = self.cp.publish()?;
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
-        let (tag, body_bytes) = match self.message(&ev, sink.frame_max())? {
+        let f = InFlight::new(seq, Content::Event(ev), (0, bytes), commit_time_us);
+        self.send_event(sink, f)
+    }
+
+    /// Publishes the event `f` holds, encoded straight from its row, or its
+    /// dead letter in its place.
+    fn send_event(&mut self, sink: &mut AmqpSink, mut f: InFlight) -> Result<(), PublishError> {
+        let Content::Event(ev) = &f.content else {
+            let env = f.envelope()?;
+            self.held += f.held;
+            return self.launch(sink, f, env);
+        };
+        let (tag, body_bytes) = match self.message(ev, sink.frame_max())? {
             Ok(view) => (sink.publish_view(&view)?, view.body.len()),
             Err(dl) => {
-                let f = InFlight::dead_letter(seq, commit_time_us, dl);
-                self.held += f.held;
-                let env = f.envelope()?;
-                return self.launch(sink, f, env);
+                let d = InFlight::dead_letter(f.seq, f.commit_time_us, dl);
+                self.held += d.held;
+                let env = d.envelope()?;
+                return self.launch(sink, d, env);
             }
         };
-        let f = InFlight::new(seq, Content::Event(ev), (body_bytes, bytes), commit_time_us);
+        f.body_bytes = body_bytes;
         self.held += f.held;
         self.unconfirmed.push(tag, f);
+        Ok(())
+    }
+
+    /// The broker closed the publishing channel over `e`. When it refused
+    /// a templated exchange (404: none such; 403: not ours to write), and
+    /// the events bound there can be dead-lettered, the name is learnt,
+    /// the channel opened again, and what waited for a confirm published
+    /// again in order (those events now dead-lettered): no new session per
+    /// name. Anything else ends the session.
+    async fn route_around(
+        &mut self,
+        sink: &mut AmqpSink,
+        e: SinkError,
+    ) -> Result<(), PublishError> {
+        let (exchange, refusal) = match e.disposition() {
+            Disposition::MissingExchange(x) => (x, Refusal::Missing),
+            Disposition::RefusedExchange(x) => (x, Refusal::Forbidden),
+            _ => return Err(e.into()),
+        };
+        let is = |d: &Option<String>| d.as_deref() == Some(exchange.as_str());
+        let configured = self.cfg.fixed_exchanges.contains(&exchange)
+            || self.dead_letters.iter().any(is)
+            || is(&self.cfg.dead_letter_exchange);
+        let any_dlx = self.dead_letters.iter().any(Option::is_some)
+            || self.cfg.dead_letter_exchange.is_some();
+        if configured || !any_dlx {
+            return Err(e.into());
+        }
+        warn!(exchange = %Shown(&exchange), reason = %e, "the broker refuses this templated exchange; its events are dead-lettered (it is tried again in a minute)");
+        self.refused.insert(exchange, refusal);
+        sink.reopen().await?;
+        for mut f in self.unconfirmed.take_all() {
+            self.held -= f.held;
+            f.published_at = Instant::now();
+            self.send_event(sink, f)?;
+        }
         Ok(())
     }
 
@@ -225,7 +280,7 @@ impl<'a> Publisher<'a> {
         // The broker would close the connection over a content header that
         // does not fit in a frame (and again on every replay): refuse it
         // here, and dead-letter it without its headers.
-        let m = view(ev).and_then(|m| match m.header_bytes() {
+        let m = view_within(ev, frame_max).and_then(|m| match m.header_bytes() {
             bytes if bytes > frame_max as usize => Err(RenderError::HeaderTooLarge {
                 id: m.message_id.to_owned(),
                 bytes,
@@ -240,7 +295,7 @@ impl<'a> Publisher<'a> {
                     error!(error = %e, "undeliverable event and no dead-letter exchange; stopping");
                     return Err(PublishError::Render(e));
                 };
-                error!(event_id = %event_id(ev), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %Shown(&event_id(ev)), reason = %e, dead_letter_exchange = %dlx, "dead-lettering event");
                 let dl = dead_letter_unrenderable(ev, &e, dlx);
                 // The dead letter carries the row's body: it must fit too.
                 let limit = self.max_body();
@@ -259,27 +314,24 @@ impl<'a> Publisher<'a> {
                         reason: reason.clone(),
                     });
                 };
-                error!(event_id = %m.message_id, %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %Shown(m.message_id), %reason, dead_letter_exchange = %dlx, "dead-lettering event");
                 // Bare: whatever in its headers or body the broker refused
                 // is not sent again.
                 let dl = m.to_envelope().dead_letter(dlx, reason, 0);
                 return Ok(Err(fit_dead_letter(dl, 0, 0)));
             }
         }
-        if !self.refusals.missing.is_empty() {
+        if !self.refused.is_empty() {
             let exchange = m.exchange.parts().concat();
-            if self.refusals.missing.contains(&exchange) {
-                let reason = format!(
-                    "exchange {exchange:?} does not exist on the broker (404 NOT_FOUND); declare \
-                     it, or fix rabbitmq.exchange"
-                );
+            if let Some(refusal) = self.refused.refusal(&exchange) {
+                let reason = refusal.reason(&exchange);
                 let Some(dlx) = self.dlx(ev.outbox) else {
                     return Err(PublishError::Undeliverable {
                         id: m.message_id.to_owned(),
                         reason,
                     });
                 };
-                error!(event_id = %m.message_id, %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+                error!(event_id = %Shown(m.message_id), %reason, dead_letter_exchange = %dlx, "dead-lettering event");
                 return Ok(Err(m.to_envelope().dead_letter(dlx, &reason, 0)));
             }
         }
@@ -294,7 +346,7 @@ impl<'a> Publisher<'a> {
                     ),
                 });
             };
-            error!(event_id = %m.message_id, bytes = m.body.len(), limit, "dead-lettering oversized event");
+            error!(event_id = %Shown(m.message_id), bytes = m.body.len(), limit, "dead-lettering oversized event");
             return Ok(Err(m.to_envelope().dead_letter_oversized(dlx, limit)));
         }
         Ok(Ok(m))
@@ -418,6 +470,7 @@ pub async fn run(
         retries: FuturesUnordered::new(),
         clock: ConfirmClock::new(),
         refusals,
+        refused: std::mem::take(&mut *refusals.missing.lock().expect("not poisoned")),
         sent: 0,
         held: 0,
         budget,
@@ -492,7 +545,10 @@ pub async fn run(
                         .into());
                     }
                 }
-                ev = sink.answer() => p.on_answer(ev?)?,
+                ev = sink.answer() => match ev {
+                    Ok(ev) => p.on_answer(ev)?,
+                    Err(e) => p.route_around(sink, e).await?,
+                },
                 Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked && !sink.wants_flush() => {
                     let env = f.envelope()?;
                     p.launch(sink, f, env)?;
@@ -538,6 +594,7 @@ pub async fn run(
     .await;
     // Between sessions nothing is blocked: the next connection is asked anew.
     metrics.blocked.set(0);
+    *refusals.missing.lock().expect("not poisoned") = std::mem::take(&mut p.refused);
     if r.is_err() {
         // Which message the session failed with, for the next one to blame
         // if this keeps happening (see `replies`).

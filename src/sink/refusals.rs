@@ -2,12 +2,11 @@
 //! (or a recovery's next pass) must route around: the policy of
 //! [`super::replies`] applied across sessions.
 
-use std::collections::HashSet;
-
 use tracing::warn;
 
 use super::SinkError;
 use super::publisher::PublishError;
+use super::refused::{Refusal, RefusedExchanges};
 use super::replies::Disposition;
 use crate::config::Config;
 
@@ -22,9 +21,10 @@ const HEAD_STRIKES: u32 = 3;
 /// around (see [`super::replies`]).
 #[derive(Debug, Default)]
 pub struct Refusals {
-    /// Templated exchanges the broker does not have: their events are
-    /// dead-lettered.
-    pub missing: HashSet<String>,
+    /// Templated exchanges the broker does not have, or lets the relay not
+    /// write to: their events are dead-lettered. The publisher holds them
+    /// while it runs (it learns more), and gives them back when it ends.
+    pub missing: std::sync::Mutex<RefusedExchanges>,
     /// The broker's `max_message_size`, once it said so.
     pub max_body: Option<usize>,
     /// Events the broker kept refusing while they were the oldest
@@ -84,8 +84,8 @@ pub fn learn(
                 // operator must declare it.
                 return Some(PublishError::Sink(SinkError::NoExchange(exchange)));
             }
-            warn!(%exchange, "the broker has no such exchange; its events will be dead-lettered");
-            refusals.missing.insert(exchange);
+            warn!(exchange = %crate::logtext::Shown(&exchange), "the broker has no such exchange; its events will be dead-lettered");
+            (refusals.missing.get_mut().expect("not poisoned")).insert(exchange, Refusal::Missing);
         }
         Disposition::BodyLimit(limit) => {
             let n = strike(format!("body limit {limit}"));
@@ -132,11 +132,11 @@ pub fn learn(
                     "the broker ended {n} sessions while this was the oldest unconfirmed \
                      message, last with: {e}"
                 );
-                warn!(event_id = %id, %reason, "giving up on the event");
+                warn!(event_id = %crate::logtext::Shown(&id), %reason, "giving up on the event");
                 refusals.poison.insert(id, reason);
             }
         }
-        Disposition::Transient | Disposition::Stop => {}
+        Disposition::RefusedExchange(_) | Disposition::Transient | Disposition::Stop => {}
     }
     None
 }
@@ -248,9 +248,9 @@ mod tests {
         let (mut r, mut strikes) = (Refusals::default(), Default::default());
         let stop = learn(&cfg, &missing("orders"), None, &mut r, &mut strikes);
         assert!(stop.is_some(), "a configured exchange is the operator's");
-        assert!(r.missing.is_empty());
+        assert!(r.missing.get_mut().unwrap().is_empty());
         let learnt = learn(&cfg, &missing("cart"), None, &mut r, &mut strikes);
         assert!(learnt.is_none());
-        assert!(r.missing.contains("cart"));
+        assert!(r.missing.get_mut().unwrap().refusal("cart").is_some());
     }
 }

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | 312 NO_ROUTE | `basic.return`, one message | publish again `rabbitmq.unroutable_retries` times with backoff, then dead-letter |
 //! | `basic.nack` | one message | publish again with backoff; after 10 nacks, dead-letter |
-//! | 404 NOT_FOUND "no exchange" | `channel.close`, a templated exchange | dead-letter that exchange's events (with a dead-letter exchange), else stop |
+//! | 404 NOT_FOUND "no exchange", 403 ACCESS_REFUSED "access to exchange" | `channel.close`, a templated exchange | open the channel again, publish again what waited, and dead-letter that exchange's events (with a dead-letter exchange; the name is tried again a minute later), else stop |
 //! | 406 PRECONDITION_FAILED "message size … larger than … max size N" | `channel.close`, one message | learn N: bodies above it are dead-lettered without the body (with a dead-letter exchange), else stop |
 //! | 406 (other), 501 FRAME_ERROR, 502 SYNTAX_ERROR, 503 COMMAND_INVALID, 505 UNEXPECTED_FRAME, 540 NOT_IMPLEMENTED | `channel.close` / `connection.close` | reconnect and replay one message at a time past where the session failed; after 3 such failures with the same message alone in flight, dead-letter it bare (no body, no user headers) |
 //! | 403 ACCESS_REFUSED, 404 (other) | either | stop: credentials, permissions or exchange to fix |
@@ -26,6 +26,8 @@ pub enum Disposition {
     Stop,
     /// A templated exchange rendered to a name the broker does not have.
     MissingExchange(String),
+    /// An exchange the relay's user may not write to.
+    RefusedExchange(String),
     /// The broker takes bodies of at most this many bytes.
     BodyLimit(usize),
     /// Blamed on the oldest unconfirmed message.
@@ -36,7 +38,10 @@ pub enum Disposition {
 /// `connection.close` with `code` and `text`.
 pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
     match code {
-        403 => Disposition::Stop,
+        403 => match refused_exchange(text) {
+            Some(x) if channel => Disposition::RefusedExchange(x),
+            _ => Disposition::Stop,
+        },
         // "vhost 'v' is down", "connection limit (n) is reached": wait;
         // "vhost v not found", "access to vhost 'v' refused": fix it.
         530 if passing(text) => Disposition::Transient,
@@ -72,6 +77,14 @@ fn passing(text: &str) -> bool {
 /// short is not guessed at.
 fn missing_exchange(text: &str) -> Option<String> {
     let rest = text.split_once("no exchange '")?.1;
+    let end = rest.rfind("' in vhost")?;
+    Some(rest[..end].to_owned())
+}
+
+/// "ACCESS_REFUSED - access to exchange 'X' in vhost 'V' refused for user
+/// 'U'": X.
+fn refused_exchange(text: &str) -> Option<String> {
+    let rest = text.split_once("access to exchange '")?.1;
     let end = rest.rfind("' in vhost")?;
     Some(rest[..end].to_owned())
 }
@@ -124,6 +137,9 @@ mod tests {
             Disposition::Stop
         );
         assert_eq!(d(403, "ACCESS_REFUSED"), Disposition::Stop);
+        let refused = "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'u'";
+        assert_eq!(d(403, refused), Disposition::RefusedExchange("x".into()));
+        assert_eq!(disposition(false, 403, refused), Disposition::Stop);
         for passing in [
             "NOT_ALLOWED - vhost v is down",
             "NOT_ALLOWED - connection limit (10) is reached for vhost 'v'",

@@ -2,6 +2,7 @@
 //! confirm (single or `multiple`), nack or return settles.
 
 use super::*;
+use crate::logtext::shown;
 
 /// Messages published and not yet answered, by delivery tag, oldest first.
 /// Tags are consecutive from 1 on a new connection; the broker may answer
@@ -41,6 +42,15 @@ impl<T> Unconfirmed<T> {
             returned: None,
         }));
         self.live += 1;
+    }
+
+    /// Every waiting message, oldest first, and the list empty, its tags
+    /// from 1 again: the channel they were published on is gone.
+    pub fn take_all(&mut self) -> Vec<T> {
+        let items = self.slots.drain(..).flatten().map(|s| s.item).collect();
+        self.first_tag = 1;
+        self.live = 0;
+        items
     }
 
     /// Messages waiting for an answer.
@@ -156,14 +166,16 @@ impl<T> Unconfirmed<T> {
                         self.live -= 1;
                         let res = match returned {
                             Some(r) => Err(SinkError::Returned {
-                                id: r.message_id.unwrap_or_else(|| "?".into()),
+                                id: r.message_id.as_deref().map_or_else(|| "?".into(), shown),
                                 exchange: r.exchange,
                                 routing_key: r.routing_key,
                                 reply: r.reply_text,
                             }),
                             None if acked => Ok(()),
                             None => Err(SinkError::Nacked {
-                                id: message_id(&item).unwrap_or_else(|| "?".into()),
+                                id: message_id(&item)
+                                    .as_deref()
+                                    .map_or_else(|| "?".into(), shown),
                             }),
                         };
                         out.push((item, res));

@@ -8,6 +8,7 @@ use tracing::warn;
 
 use super::inflight::InFlight;
 use super::{NACK_ATTEMPTS, PublishError, Publisher, retry_delay, unix_now_us};
+use crate::logtext::Shown;
 use crate::metrics::{ReasonLabel, RetryReason};
 use crate::sink::SinkError;
 
@@ -61,7 +62,7 @@ impl Publisher<'_> {
                 };
                 let limit = (self.cfg.unroutable_attempts, RetryReason::returned);
                 self.again_or_dead_letter(f, id, limit, reason, |id, n, delay| {
-                    warn!(event_id = %id, attempt = n, retry_in_ms = delay.as_millis() as u64, %exchange, %routing_key, "unroutable; will publish again");
+                    warn!(event_id = %id, attempt = n, retry_in_ms = delay.as_millis() as u64, exchange = %Shown(&exchange), routing_key = %Shown(&routing_key), "unroutable; will publish again");
                 })
             }
             Err(SinkError::Nacked { id }) => {

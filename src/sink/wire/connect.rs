@@ -129,6 +129,11 @@ impl Wire {
             AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)) => {}
             other => return Err(unexpected("connection.open-ok", &other)),
         }
+        self.open_publishing().await
+    }
+
+    /// Opens the publishing channel in confirm mode.
+    async fn open_publishing(&mut self) -> Result<(), WireError> {
         self.open_channel(PUBLISH_CHANNEL).await?;
         self.send_method(
             PUBLISH_CHANNEL,
@@ -140,6 +145,24 @@ impl Wire {
             AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_)) => Ok(()),
             other => Err(unexpected("confirm.select-ok", &other)),
         }
+    }
+
+    /// Opens the publishing channel again after the broker closed it (its
+    /// close-ok was sent after whatever was queued, which the broker
+    /// discards): confirm mode, delivery tags from 1. Nothing published
+    /// before is answered any more: publish again what waited.
+    pub async fn reopen_publishing(&mut self) -> Result<(), WireError> {
+        if self.channel_closed.is_none() {
+            return Err(WireError::Protocol(
+                "the publishing channel is open; nothing to reopen".into(),
+            ));
+        }
+        self.returning = None;
+        self.flow_paused = false;
+        self.open_publishing().await?;
+        self.channel_closed = None;
+        self.next_tag = 1;
+        Ok(())
     }
 
     pub(super) async fn open_channel(&mut self, id: u16) -> Result<(), WireError> {
