@@ -5,7 +5,7 @@
 //!
 //! `recover` records its window in the checkpoint table *before* it
 //! recreates the slot, then re-publishes the window's rows in the order of
-//! the outbox's `sequence` column, or else `(created_at, ctid)` (see
+//! the outbox's `sequence` column, or else `(created_at, tableoid, ctid)` (see
 //! [`rows::Key`]), recording the last confirmed row about once a second.
 //! Whatever stops it half way (the broker gone, an undeliverable row,
 //! SIGINT), the record stays: running `recover` again, or `run`,
