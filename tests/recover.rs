@@ -7,6 +7,8 @@
 //! Own binary: it changes a server-wide setting for a while.
 
 mod common;
+#[path = "recover/natural_end.rs"]
+mod natural_end;
 #[path = "recover/partitioned.rs"]
 mod partitioned;
 #[path = "recover/support.rs"]

@@ -358,6 +358,33 @@ listen = "127.0.0.1:0"
         self.rebind_queue("nothing.is.routed.here").await;
     }
 
+    /// Declares a queue that holds one message and nacks every publish
+    /// after it (`x-max-length = 1`, `x-overflow = reject-publish`), bound
+    /// to the test exchange with `key`; returns its name.
+    pub async fn full_queue(&self, key: &str) -> String {
+        let full = self.scoped("full");
+        let ch = self.amqp.create_channel().await.unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        ch.queue_declare(full.as_str().into(), QueueDeclareOptions::default(), args)
+            .await
+            .unwrap();
+        ch.queue_bind(
+            full.as_str().into(),
+            self.exchange.as_str().into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        full
+    }
+
     /// Inserts `rows` rows whose payload is about `bytes` bytes, `per_tx`
     /// rows per transaction; returns the WAL position after the last commit.
     pub async fn insert_large(&self, pg: &Client, rows: i64, bytes: i64, per_tx: i64) -> Lsn {
