@@ -13,6 +13,8 @@ mod natural_end;
 mod partitioned;
 #[path = "recover/support.rs"]
 mod support;
+#[path = "recover/text_forms.rs"]
+mod text_forms;
 
 use std::time::Duration;
 

@@ -1,13 +1,14 @@
 //! Reading outbox rows back from the table, a batch at a time from a cursor.
 //!
-//! Rows are read with every column cast to text, which is exactly the text
-//! form pgoutput sends, so they go through the same [`Mapping`] and
-//! [`crate::message::render`] as streamed rows and come out as the same
-//! messages, with the same `message_id`. They come table by table (in the
-//! order of the config's outboxes), each in the order of its `sequence`
-//! column if the config names one, else in `(created_at, tableoid, ctid)` order: the
-//! table and that order's key are what a recovery resumes from. All tables
-//! are read in one snapshot.
+//! Rows are read with every column in the text its type's output function
+//! gives ([`as_sent`]), which is exactly the text form pgoutput sends, so
+//! they go through the same [`Mapping`] and [`crate::message::render`] as
+//! streamed rows and come out as the same messages, with the same
+//! `message_id`. They come table by table (in the order of the config's
+//! outboxes), each in the order of its `sequence` column if the config
+//! names one, else in `(created_at, tableoid, ctid)` order: the table and
+//! that order's key are what a recovery resumes from. All tables are read
+//! in one snapshot.
 
 use std::sync::Arc;
 
@@ -139,6 +140,15 @@ async fn relation(
     })
 }
 
+/// Column `name` as pgoutput sends it: its type's output function, which
+/// `format('%s')` calls. A cast to text is not always that: `char(n)` loses
+/// its padding (`'a '::char(2)::text` is `a`), a boolean becomes `true`
+/// (pgoutput: `t`). NULL stays NULL.
+fn as_sent(name: &str) -> String {
+    let c = quote_ident(name);
+    format!("CASE WHEN {c} IS NULL THEN NULL ELSE format('%s', {c}) END")
+}
+
 /// The names (`schema.table`) of outboxes `tables`.
 fn names(cfg: &Config, tables: &[usize]) -> Vec<String> {
     (tables.iter())
@@ -151,11 +161,10 @@ fn names(cfg: &Config, tables: &[usize]) -> Vec<String> {
 fn query(o: &OutboxConfig, sel: &Selection, select: &str) -> (String, Vec<Box<dyn ToSql + Sync>>) {
     let cols = &o.columns;
     let created = quote_ident(&cols.created_at);
-    let id = quote_ident(&cols.id);
     let base = format!("SELECT {select} FROM {}", table_of(o).quoted());
     match sel {
         Selection::Ids(ids) => (
-            format!("{base} WHERE {id}::text = ANY($1)"),
+            format!("{base} WHERE {} = ANY($1)", as_sent(&cols.id)),
             vec![Box::new(ids.clone())],
         ),
         Selection::Since { since, until } => (
@@ -374,11 +383,7 @@ impl<'a> Rows<'a> {
             };
             let rel = relation(&self.tx, cfg, o).await?;
             let mapping = Mapping::new(&rel, o).map(Arc::new);
-            let list: Vec<String> = rel
-                .columns
-                .iter()
-                .map(|c| format!("{}::text", quote_ident(&c.name)))
-                .collect();
+            let list: Vec<String> = rel.columns.iter().map(|c| as_sent(&c.name)).collect();
             let created = quote_ident(&o.columns.created_at);
             let select = format!(
                 "{}, (extract(epoch FROM {created}) * 1e6)::bigint, {created}::text, {}",
