@@ -72,3 +72,41 @@ async fn a_recovery_s_late_confirms_are_waited_for_not_cut_at_the_grace_period()
         .await;
     fx.cleanup().await;
 }
+
+/// A signal while `run` re-publishes a recovery: the grace period, then
+/// exit 1, not 0 (it printed "stopped before streaming" and exited 0, and
+/// a service manager restarting on failure left the recovery unfinished).
+/// The rows wait on nacks (no dead-letter exchange, the default backoff),
+/// so the recovery cannot end before the signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_during_a_recovery_exits_non_zero_and_keeps_the_record() {
+    let _serial = super::SERIAL.lock().await;
+    let mut fx = Fixture::new("rec_signal").await;
+    let pg = fx.checkpointed().await;
+    fx.rebind_queue("ok.#").await;
+    let full = fx.full_queue("full.#").await;
+    fx.insert_many(&pg, 5, "full", |i| format!("f{i}"), "e")
+        .await;
+    fx.drop_slot(&pg).await;
+    fx.set_config_extra("shutdown_grace_secs = 1", "on_slot_lost = \"recover\"");
+    let relay = fx.spawn_relay();
+    assert!(
+        relay
+            .wait_log("broker nacked; will publish again", Duration::from_secs(30))
+            .await,
+        "set-up: no nack:\n{}",
+        relay.log_tail()
+    );
+    let log = relay.log.clone();
+    let (status, _) = relay.sigterm();
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("stopped before the recovery"), "{log}");
+    let pending: Option<String> = fx.checkpoint_column(&pg, "recovery_since::text").await;
+    assert!(pending.is_some(), "the recovery's record is gone");
+    let ch = fx.amqp.create_channel().await.unwrap();
+    let _ = ch
+        .queue_delete(full.as_str().into(), Default::default())
+        .await;
+    fx.cleanup().await;
+}
