@@ -177,18 +177,29 @@ pub async fn run(
                 // the lock.
                 crate::recover::recover_lost_slot(cfg, &shutdown)
                     .await
-                    .map(|outcome| {
-                        if matches!(outcome, crate::recover::RecoverOutcome::Republished { .. }) {
+                    .map(|outcome| match outcome {
+                        crate::recover::RecoverOutcome::Republished { published, .. } => {
                             metrics.slot_recoveries.inc();
+                            published.is_none_or(|p| p.complete)
                         }
-                        true
+                        crate::recover::RecoverOutcome::Healthy(_) => true,
                     })
             } else {
                 crate::recover::finish_pending(cfg, &shutdown).await
             };
             let e = match step {
                 Ok(true) => break,
-                Ok(false) => return Ok(None), // stopped; the record stays
+                // Stopped by a signal half way: the record stays, and the
+                // exit says the recovery is not finished (a service manager
+                // that restarts on failure restarts it).
+                Ok(false) => {
+                    return Err(RelayError::Interrupted(format!(
+                        "stopped before the recovery of slot {:?} was finished; it is \
+                         recorded: start `outbox-relay run` (or `outbox-relay recover`) again \
+                         to finish it",
+                        cfg.postgres.slot
+                    )));
+                }
                 // The recovery recorded earlier lost its slot too (killed
                 // mid-recovery, then another failover): with `recover`, the
                 // lost slot is recovered, which resumes that record's window

@@ -79,8 +79,9 @@ pub enum RenderError {
         /// Event id.
         id: String,
     },
-    /// A bytea payload's text form is not `\x<hex>`.
-    #[error("event {id}: bytea payload is not in hex format")]
+    /// A bytea payload's text form is neither `\x<hex>` nor the escape
+    /// format.
+    #[error("event {id}: bytea payload is in neither the hex nor the escape format")]
     Bytea {
         /// Event id.
         id: String,
@@ -320,7 +321,7 @@ pub fn view_within(ev: &OutboxEvent, frame_max: u32) -> Result<MessageView<'_>, 
         PayloadKind::Json => (raw_payload.clone(), "application/json"),
         PayloadKind::Text => (raw_payload.clone(), "text/plain; charset=utf-8"),
         PayloadKind::Bytea => (
-            decode_bytea_hex(raw_payload).ok_or_else(|| RenderError::Bytea { id: shown(id) })?,
+            decode_bytea(raw_payload).ok_or_else(|| RenderError::Bytea { id: shown(id) })?,
             "application/octet-stream",
         ),
     };
@@ -612,9 +613,46 @@ fn json_to_amqp(v: serde_json::Value) -> AMQPValue {
     }
 }
 
-/// pgoutput's text form of bytea is `\x` followed by hex digits.
-fn decode_bytea_hex(v: &[u8]) -> Option<Bytes> {
-    let hex = v.strip_prefix(b"\\x")?;
+/// The text form of bytea, as the server's `bytea_output` makes it (in the
+/// walsender's session as in any other: `ALTER DATABASE ... SET
+/// bytea_output = escape` reaches both): `\x` followed by hex digits
+/// (`hex`, the default), or the `escape` format, where a backslash is
+/// `\\`, a byte outside printable ASCII `\ooo` (octal), and every other
+/// byte itself. Escape output never starts with `\x`: the two cannot be
+/// mistaken for one another.
+fn decode_bytea(v: &[u8]) -> Option<Bytes> {
+    match v.strip_prefix(b"\\x") {
+        Some(hex) => decode_bytea_hex(hex),
+        None => decode_bytea_escape(v),
+    }
+}
+
+fn decode_bytea_escape(v: &[u8]) -> Option<Bytes> {
+    let mut out = Vec::with_capacity(v.len());
+    let mut rest = v;
+    while let Some((&b, tail)) = rest.split_first() {
+        if b != b'\\' {
+            out.push(b);
+            rest = tail;
+            continue;
+        }
+        match tail {
+            [b'\\', more @ ..] => {
+                out.push(b'\\');
+                rest = more;
+            }
+            [a @ b'0'..=b'3', b @ b'0'..=b'7', c @ b'0'..=b'7', more @ ..] => {
+                out.push((a - b'0') << 6 | (b - b'0') << 3 | (c - b'0'));
+                rest = more;
+            }
+            _ => return None,
+        }
+    }
+    Some(Bytes::from(out))
+}
+
+/// The digits after `\x`.
+fn decode_bytea_hex(hex: &[u8]) -> Option<Bytes> {
     if hex.len() % 2 != 0 {
         return None;
     }

@@ -622,32 +622,11 @@ async fn a_templated_exchange_that_does_not_exist_is_dead_lettered() {
 /// a bounded number of attempts, and the events behind it flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_nacked_again_and_again_is_dead_lettered() {
-    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
-    use lapin::types::{AMQPValue, FieldTable, ShortString};
     let mut fx = Fixture::new("nacked").await;
     fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
         .await;
     fx.rebind_queue("ok.#").await;
-    let full = fx.scoped("full");
-    let ch = fx.amqp.create_channel().await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(1));
-    args.insert(
-        ShortString::from("x-overflow"),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    ch.queue_declare(full.as_str().into(), QueueDeclareOptions::default(), args)
-        .await
-        .unwrap();
-    ch.queue_bind(
-        full.as_str().into(),
-        fx.exchange.as_str().into(),
-        "full.#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    let full = fx.full_queue("full.#").await;
     fx.set_config_extra(
         &format!(
             "dead_letter_exchange = \"{}\"\nretry_backoff_ms = 5",
@@ -679,6 +658,7 @@ async fn a_message_nacked_again_and_again_is_dead_lettered() {
     fx.expect_delivered(std::slice::from_ref(&after), &relay)
         .await;
     relay.stop_ok();
+    let ch = fx.amqp.create_channel().await.unwrap();
     let _ = ch
         .queue_delete(full.as_str().into(), Default::default())
         .await;

@@ -7,8 +7,14 @@
 //! Own binary: it changes a server-wide setting for a while.
 
 mod common;
+#[path = "recover/natural_end.rs"]
+mod natural_end;
+#[path = "recover/partitioned.rs"]
+mod partitioned;
 #[path = "recover/support.rs"]
 mod support;
+#[path = "recover/text_forms.rs"]
+mod text_forms;
 
 use std::time::Duration;
 

@@ -11,27 +11,20 @@ use common::*;
 use serde_json::json;
 
 /// The default outbox table, partitioned by aggregate type.
-const PARTITIONED: &str = "
-CREATE TABLE {table} (
-  id             uuid        NOT NULL DEFAULT gen_random_uuid(),
-  aggregate_type text        NOT NULL,
-  aggregate_id   text        NOT NULL,
-  event_type     text        NOT NULL,
-  payload        jsonb       NOT NULL,
-  headers        jsonb,
-  created_at     timestamptz NOT NULL DEFAULT now(),
-  PRIMARY KEY (aggregate_type, id)
-) PARTITION BY LIST (aggregate_type);
-CREATE TABLE {table}_orders PARTITION OF {table} FOR VALUES IN ('order');
-CREATE TABLE {table}_rest PARTITION OF {table} DEFAULT;
-";
+fn partitioned() -> String {
+    partitioned_ddl(
+        "aggregate_type",
+        "CREATE TABLE {table}_orders PARTITION OF {table} FOR VALUES IN ('order');
+CREATE TABLE {table}_rest PARTITION OF {table} DEFAULT;",
+    )
+}
 
 /// `setup` publishes a partitioned outbox via its root and `check` says so;
 /// rows inserted into every partition, including one attached while the
 /// relay streams, arrive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_outbox_is_relayed_from_every_partition() {
-    let mut f = Fixture::with_ddl("partitioned", "", PARTITIONED).await;
+    let mut f = Fixture::with_ddl("partitioned", "", &partitioned()).await;
     let pg = pg_connect().await;
     let out = f.relay_cmd("check").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -356,7 +349,7 @@ async fn a_two_phase_slot_is_refused() {
 /// refuse, naming the two entries; nothing is streamed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_listed_beside_its_root_is_refused() {
-    let f = Fixture::with_ddl("partoverlap", "", PARTITIONED).await;
+    let f = Fixture::with_ddl("partoverlap", "", &partitioned()).await;
     let text = f.config_text("");
     let single = format!("[outbox]\ntable = \"public.{}\"\n", f.table);
     assert!(text.contains(&single), "{text}");

@@ -265,11 +265,21 @@ fn dead_letters_say_why_and_where() {
 }
 
 #[test]
-fn bytea_hex_decoding() {
-    assert_eq!(decode_bytea_hex(b"\\x").unwrap().len(), 0);
-    assert!(decode_bytea_hex(b"\\x0").is_none());
-    assert!(decode_bytea_hex(b"\\xzz").is_none());
-    assert!(decode_bytea_hex(b"00").is_none());
+fn bytea_hex_and_escape_decoding() {
+    assert_eq!(decode_bytea(b"\\x").unwrap().len(), 0);
+    assert_eq!(&decode_bytea(b"\\x00ff5c").unwrap()[..], b"\x00\xff\\");
+    assert!(decode_bytea(b"\\x0").is_none());
+    assert!(decode_bytea(b"\\xzz").is_none());
+    // bytea_output = escape: SELECT '\x00ff5c78'::bytea gives \000\377\\x
+    assert_eq!(
+        &decode_bytea(b"\\000\\377\\\\x").unwrap()[..],
+        b"\x00\xff\\x"
+    );
+    assert_eq!(&decode_bytea(b"00").unwrap()[..], b"00");
+    assert_eq!(decode_bytea(b"").unwrap().len(), 0);
+    assert!(decode_bytea(b"\\").is_none());
+    assert!(decode_bytea(b"\\400").is_none());
+    assert!(decode_bytea(b"\\12").is_none());
 }
 
 /// A row's `CC`/`BCC` are sent only when its outbox opts in

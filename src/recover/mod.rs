@@ -5,7 +5,7 @@
 //!
 //! `recover` records its window in the checkpoint table *before* it
 //! recreates the slot, then re-publishes the window's rows in the order of
-//! the outbox's `sequence` column, or else `(created_at, ctid)` (see
+//! the outbox's `sequence` column, or else `(created_at, tableoid, ctid)` (see
 //! [`rows::Key`]), recording the last confirmed row about once a second.
 //! Whatever stops it half way (the broker gone, an undeliverable row,
 //! SIGINT), the record stays: running `recover` again, or `run`,
@@ -263,6 +263,7 @@ async fn recover_with(
         }
     }
     let published = finish(cfg, &client, recovery, commit_ts, selected, stop).await?;
+    unfinished(&published, selected, stop)?;
     Ok(RecoverOutcome::Republished {
         window,
         selected,
@@ -375,8 +376,9 @@ async fn lock_recovery(client: &Client, cfg: &Config) -> Result<(), RelayError> 
     .into())
 }
 
-/// For `run`: finishes a recovery under way, if any. `Ok(false)`: stopped
-/// before the end (the record stays).
+/// For `run`: finishes a recovery under way, if any. `Ok(false)`: `stop`
+/// stopped it before the end (the record stays). A pass that ends without
+/// a stop and without every row confirmed is an error, never `Ok`.
 pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bool, RelayError> {
     let client = connect_sql(&cfg.postgres).await?;
     if checkpoint_table::pending_recovery(&client, cfg)
@@ -402,7 +404,21 @@ pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bo
     let sel = window_selection(&recovery, commit_ts);
     let selected = rows::count(&client, cfg, &sel, &rows::tables(cfg, None)?).await?;
     let done = finish(cfg, &client, recovery, commit_ts, selected, stop).await?;
+    unfinished(&done, selected, stop)?;
     Ok(done.complete)
+}
+
+/// A pass that ended by itself with rows unconfirmed: an error (the record
+/// stays, and the next `run` or `recover` resumes it).
+fn unfinished(done: &Published, selected: i64, stop: &CancellationToken) -> Result<(), RelayError> {
+    if done.complete || stop.is_cancelled() {
+        return Ok(());
+    }
+    Err(RelayError::Interrupted(format!(
+        "the recovery ended with {} of {selected} rows confirmed; it is recorded: \
+         `outbox-relay run` or `outbox-relay recover` resumes it",
+        done.confirmed
+    )))
 }
 
 /// `republish`: the selected rows of every outbox table (or of the one

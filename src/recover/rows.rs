@@ -1,13 +1,14 @@
 //! Reading outbox rows back from the table, a batch at a time from a cursor.
 //!
-//! Rows are read with every column cast to text, which is exactly the text
-//! form pgoutput sends, so they go through the same [`Mapping`] and
-//! [`crate::message::render`] as streamed rows and come out as the same
-//! messages, with the same `message_id`. They come table by table (in the
-//! order of the config's outboxes), each in the order of its `sequence`
-//! column if the config names one, else in `(created_at, ctid)` order: the
-//! table and that order's key are what a recovery resumes from. All tables
-//! are read in one snapshot.
+//! Rows are read with every column in the text its type's output function
+//! gives ([`as_sent`]), which is exactly the text form pgoutput sends, so
+//! they go through the same [`Mapping`] and [`crate::message::render`] as
+//! streamed rows and come out as the same messages, with the same
+//! `message_id`. They come table by table (in the order of the config's
+//! outboxes), each in the order of its `sequence` column if the config
+//! names one, else in `(created_at, tableoid, ctid)` order: the table and
+//! that order's key are what a recovery resumes from. All tables are read
+//! in one snapshot.
 
 use std::sync::Arc;
 
@@ -139,6 +140,15 @@ async fn relation(
     })
 }
 
+/// Column `name` as pgoutput sends it: its type's output function, which
+/// `format('%s')` calls. A cast to text is not always that: `char(n)` loses
+/// its padding (`'a '::char(2)::text` is `a`), a boolean becomes `true`
+/// (pgoutput: `t`). NULL stays NULL.
+fn as_sent(name: &str) -> String {
+    let c = quote_ident(name);
+    format!("CASE WHEN {c} IS NULL THEN NULL ELSE format('%s', {c}) END")
+}
+
 /// The names (`schema.table`) of outboxes `tables`.
 fn names(cfg: &Config, tables: &[usize]) -> Vec<String> {
     (tables.iter())
@@ -151,11 +161,10 @@ fn names(cfg: &Config, tables: &[usize]) -> Vec<String> {
 fn query(o: &OutboxConfig, sel: &Selection, select: &str) -> (String, Vec<Box<dyn ToSql + Sync>>) {
     let cols = &o.columns;
     let created = quote_ident(&cols.created_at);
-    let id = quote_ident(&cols.id);
     let base = format!("SELECT {select} FROM {}", table_of(o).quoted());
     match sel {
         Selection::Ids(ids) => (
-            format!("{base} WHERE {id}::text = ANY($1)"),
+            format!("{base} WHERE {} = ANY($1)", as_sent(&cols.id)),
             vec![Box::new(ids.clone())],
         ),
         Selection::Since { since, until } => (
@@ -193,43 +202,81 @@ fn query(o: &OutboxConfig, sel: &Selection, select: &str) -> (String, Vec<Box<dy
 }
 
 /// The order rows are read in: the outbox's `sequence` column, or
-/// `(created_at, ctid)`. Qualified by the table: a bare name in ORDER BY
-/// means the output column of that name first, and the select list has
-/// them all cast to text (`ctid` by text puts `(5,10)` before `(5,9)`).
+/// `(created_at, tableoid, ctid)`. A ctid is unique in one heap only: the
+/// partitions of a partitioned outbox hand out the same ctids, and rows of
+/// one transaction share `created_at`, so without the partition the order
+/// has ties, and resuming after one of them skips the others. Qualified
+/// by the table: a bare name in ORDER BY means the output column of that
+/// name first, and the select list has them all as text (`ctid` by text
+/// puts `(5,10)` before `(5,9)`).
 fn order_by(o: &OutboxConfig) -> String {
     let t = table_of(o).quoted();
     match &o.columns.sequence {
         Some(seq) => format!("{t}.{}", quote_ident(seq)),
-        None => format!("{t}.{}, {t}.ctid", quote_ident(&o.columns.created_at)),
+        None => format!(
+            "{t}.{}, {t}.tableoid, {t}.ctid",
+            quote_ident(&o.columns.created_at)
+        ),
     }
 }
 
-/// A row's place in that order, as text (its `Key::id`).
+/// A row's place in that order, as text (its `Key::id`): the sequence
+/// value, or `<tableoid>/<ctid>` (no space: see `Key::to_record`).
 fn key_of_row(o: &OutboxConfig) -> String {
     match &o.columns.sequence {
         Some(seq) => format!("{}::text", quote_ident(seq)),
-        None => "ctid::text".to_owned(),
+        None => "tableoid::text || '/' || ctid::text".to_owned(),
+    }
+}
+
+/// The kinds of recorded id in `(created_at, tableoid, ctid)` order.
+#[derive(Debug, PartialEq, Eq)]
+enum PlaceId {
+    /// `<tableoid>/<ctid>`: this version's key, total.
+    Partitioned,
+    /// A bare ctid, recorded by a version before the partition was part of
+    /// the key: exact in a plain table only.
+    Ctid,
+    /// Anything else (an older version's event id).
+    Other,
+}
+
+fn place_id(id: &str) -> PlaceId {
+    match id.split_once('/') {
+        Some((oid, ctid)) if oid.parse::<u32>().is_ok() && ctid.starts_with('(') => {
+            PlaceId::Partitioned
+        }
+        _ if id.starts_with('(') => PlaceId::Ctid,
+        _ => PlaceId::Other,
     }
 }
 
 /// The condition "after the recorded key" (`$2` its `created_at`, `$3` its
 /// id, both NULL for none). A key of another order (recorded before the
 /// config's `sequence` changed, or an older version's event id) cannot be
-/// compared: in `(created_at, ctid)` order it resumes at its `created_at`,
-/// in sequence order from the window's start. More sent, none lost.
+/// compared: in `(created_at, tableoid, ctid)` order it resumes at its
+/// `created_at`, in sequence order from the window's start. An older
+/// version's bare ctid is exact in a plain table; in a partition (where
+/// `pg_partition_root` is not NULL) the rows tied with it on `created_at`
+/// are taken again. More sent, none lost.
 fn after_key(o: &OutboxConfig, id: Option<&str>) -> String {
     let created = quote_ident(&o.columns.created_at);
-    match (&o.columns.sequence, id) {
-        (Some(seq), Some(id)) if id.parse::<i128>().is_ok() => format!(
+    match (&o.columns.sequence, id.map(place_id)) {
+        (Some(seq), _) if id.is_some_and(|id| id.parse::<i128>().is_ok()) => format!(
             "($2::text IS NULL OR {} > $3::text::numeric)",
             quote_ident(seq)
         ),
         (Some(_), _) => "($2::text IS NULL OR $3::text IS NOT NULL)".to_owned(),
-        (None, Some(id)) if !id.starts_with('(') => format!(
+        (None, Some(PlaceId::Other)) => format!(
             "($2::text IS NULL OR ({created} >= $2::text::timestamptz AND $3::text IS NOT NULL))"
         ),
+        (None, Some(PlaceId::Ctid)) => format!(
+            "($2::text IS NULL OR ({created}, ctid) > ($2::text::timestamptz, $3::text::tid) \
+             OR ({created} = $2::text::timestamptz AND pg_partition_root(tableoid) IS NOT NULL))"
+        ),
         (None, _) => format!(
-            "($2::text IS NULL OR ({created}, ctid) > ($2::text::timestamptz, $3::text::tid))"
+            "($2::text IS NULL OR ({created}, tableoid, ctid) > ($2::text::timestamptz, \
+             split_part($3::text, '/', 1)::oid, split_part($3::text, '/', 2)::tid))"
         ),
     }
 }
@@ -336,11 +383,7 @@ impl<'a> Rows<'a> {
             };
             let rel = relation(&self.tx, cfg, o).await?;
             let mapping = Mapping::new(&rel, o).map(Arc::new);
-            let list: Vec<String> = rel
-                .columns
-                .iter()
-                .map(|c| format!("{}::text", quote_ident(&c.name)))
-                .collect();
+            let list: Vec<String> = rel.columns.iter().map(|c| as_sent(&c.name)).collect();
             let created = quote_ident(&o.columns.created_at);
             let select = format!(
                 "{}, (extract(epoch FROM {created}) * 1e6)::bigint, {created}::text, {}",
@@ -425,14 +468,17 @@ mod tests {
         )
         .unwrap();
         let mut o = cfg.outboxes[0].clone();
-        // (created_at, ctid): a ctid key compares; any other resumes at its
-        // created_at.
-        assert!(after_key(&o, Some("(3,10)")).contains("ctid) > ("));
+        // (created_at, tableoid, ctid): a key of this order compares in
+        // full; an older version's bare ctid compares, and takes its ties
+        // again in a partition; any other resumes at its created_at.
+        assert!(after_key(&o, Some("16384/(3,10)")).contains("tableoid, ctid) > ("));
+        let bare = after_key(&o, Some("(3,10)"));
+        assert!(bare.contains(", ctid) > (") && bare.contains("pg_partition_root"));
         assert!(after_key(&o, Some("42")).contains(">= $2::text::timestamptz"));
-        assert!(
-            order_by(&o).ends_with("\"s\".\"t\".ctid"),
-            "{}",
-            order_by(&o)
+        assert!(after_key(&o, Some("1/x")).contains(">= $2::text::timestamptz"));
+        assert_eq!(
+            order_by(&o),
+            "\"s\".\"t\".\"created_at\", \"s\".\"t\".tableoid, \"s\".\"t\".ctid"
         );
         // Sequence order: a number compares; a ctid restarts the window.
         o.columns.sequence = Some("seq".into());

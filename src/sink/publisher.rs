@@ -431,8 +431,9 @@ const BATCH: usize = 256;
 /// within this many windows.
 const SPAN_WINDOWS: usize = 4;
 
-/// Runs until `items` closes and every message is settled (or the shutdown
-/// grace period ends), or until a failure.
+/// Runs until `items` closes and every message is settled (after a stop,
+/// or until the shutdown grace period ends), or until a failure (a confirm
+/// overdue among them).
 ///
 /// One task drives the connection: publishes are queued into its write
 /// buffer a batch at a time (whatever the source has ready, up to
@@ -484,7 +485,21 @@ pub async fn run(
     let mut blocked_logged = false;
     metrics.blocked.set(0);
     let mut gauges = tokio::time::interval(Duration::from_secs(1));
+    // Input ends for a stop (a signal): outstanding confirms get the
+    // shutdown grace period. It ends by itself (a recovery handed over its
+    // last row, the stream failed): they are waited for, as any confirm is,
+    // within `rabbitmq.confirm_timeout_secs` of the broker being free to
+    // answer; a stop asked for meanwhile starts the grace period.
     let closing = |p: &Publisher<'_>| {
+        if !stop.is_cancelled() {
+            if p.cp.in_flight() > 0 {
+                info!(
+                    in_flight = p.cp.in_flight(),
+                    "input ended; waiting for outstanding confirms"
+                );
+            }
+            return None;
+        }
         if p.cp.in_flight() > 0 {
             info!(
                 in_flight = p.cp.in_flight(),

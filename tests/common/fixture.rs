@@ -233,9 +233,15 @@ listen = "127.0.0.1:0"
 
     /// As [`Fixture::spawn_relay`], with extra environment variables.
     pub fn spawn_relay_env(&self, env: &[(&str, &str)]) -> Relay {
+        self.spawn_subcommand("run", env)
+    }
+
+    /// Starts `outbox-relay <sub>` (e.g. `recover`, to signal it half way)
+    /// as [`Fixture::spawn_relay_env`] starts `run`.
+    pub fn spawn_subcommand(&self, sub: &str, env: &[(&str, &str)]) -> Relay {
         let k = COUNTER.fetch_add(1, Ordering::SeqCst);
         let log = self.dir.path().join(format!("relay-{k}.log"));
-        let mut cmd = self.relay_cmd("run");
+        let mut cmd = self.relay_cmd(sub);
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -350,6 +356,33 @@ listen = "127.0.0.1:0"
         .await
         .unwrap();
         self.rebind_queue("nothing.is.routed.here").await;
+    }
+
+    /// Declares a queue that holds one message and nacks every publish
+    /// after it (`x-max-length = 1`, `x-overflow = reject-publish`), bound
+    /// to the test exchange with `key`; returns its name.
+    pub async fn full_queue(&self, key: &str) -> String {
+        let full = self.scoped("full");
+        let ch = self.amqp.create_channel().await.unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        ch.queue_declare(full.as_str().into(), QueueDeclareOptions::default(), args)
+            .await
+            .unwrap();
+        ch.queue_bind(
+            full.as_str().into(),
+            self.exchange.as_str().into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        full
     }
 
     /// Inserts `rows` rows whose payload is about `bytes` bytes, `per_tx`
@@ -522,6 +555,25 @@ pub async fn consume_on(
         }
     });
     rx
+}
+
+/// The default outbox table partitioned by list of `by` (in its primary
+/// key with `id`), followed by `partitions` (`{table}` stands for the
+/// table's name, as in [`Fixture::with_ddl`]).
+pub fn partitioned_ddl(by: &str, partitions: &str) -> String {
+    format!(
+        "CREATE TABLE {{table}} (
+  id             uuid        NOT NULL DEFAULT gen_random_uuid(),
+  aggregate_type text        NOT NULL,
+  aggregate_id   text        NOT NULL,
+  event_type     text        NOT NULL,
+  payload        jsonb       NOT NULL,
+  headers        jsonb,
+  created_at     timestamptz NOT NULL DEFAULT now(),
+  PRIMARY KEY ({by}, id)
+) PARTITION BY LIST ({by});
+{partitions}"
+    )
 }
 
 pub fn repo_path(rel: &str) -> PathBuf {

@@ -9,9 +9,11 @@ use super::Selection;
 ///
 /// With a `sequence` column, that order is the order rows were written, in
 /// and across transactions (where writes to one aggregate are serialized,
-/// its commit order). Without one it is `(created_at, ctid)`: rows of one
-/// transaction share `created_at` (its start), and their physical order is
-/// usually, not always, the order they were written: an insert can land in
+/// its commit order). Without one it is `(created_at, tableoid, ctid)`:
+/// rows of one transaction share `created_at` (its start), the partitions
+/// of a partitioned outbox hand out the same ctids (so the partition is
+/// part of the key), and within one partition the physical order is
+/// usually, not always, the order rows were written: an insert can land in
 /// space vacuum freed before an earlier row of the same transaction. (A
 /// `VACUUM FULL` or `CLUSTER` during a recovery moves rows: the ctid key
 /// then skips or repeats some; do not run one then.)
@@ -26,7 +28,7 @@ pub struct Key {
     pub done: Arc<[String]>,
     /// `created_at::text`.
     pub created: String,
-    /// `ctid::text`, or the `sequence` column's value.
+    /// `<tableoid>/<ctid>`, or the `sequence` column's value.
     pub id: String,
 }
 
@@ -39,7 +41,7 @@ struct Place {
 }
 
 impl Key {
-    /// As recorded in the checkpoint table: `(created_at, "#<place> <ctid>")`
+    /// As recorded in the checkpoint table: `(created_at, "#<place> <id>")`
     /// where the place names tables, not positions in the config, so that
     /// a config changed between two runs of a recovery cannot make it skip
     /// a table.
@@ -58,7 +60,7 @@ impl Key {
 enum Resume {
     /// Wholly confirmed already: skip it.
     Done,
-    /// Resume after this key (`created_at`, then ctid or sequence value).
+    /// Resume after this key (`created_at`, then its place or sequence value).
     After(String, String),
     /// From the window's start.
     Start,
@@ -127,13 +129,13 @@ mod tests {
             table: "s.b".into(),
             done: Arc::from(vec!["s.a".to_owned()]),
             created: "2026-12-01 10:00:00+00".into(),
-            id: "(0,5)".into(),
+            id: "16384/(0,5)".into(),
         };
         let rec = key.to_record();
         assert_eq!(resume(&rec, "s.a", &tables), Resume::Done);
         assert_eq!(
             resume(&rec, "s.b", &tables),
-            Resume::After(key.created.clone(), "(0,5)".into())
+            Resume::After(key.created.clone(), "16384/(0,5)".into())
         );
         assert_eq!(resume(&rec, "s.c", &tables), Resume::Start);
         // Reordered, or a table added before it: still by name.
