@@ -2,7 +2,7 @@
 --
 -- What: one row per replication slot: the confirmed LSN, the commit time of
 -- the newest transaction the broker confirmed, and when the row was written.
--- The relay writes it at most once a second, only when a new transaction has
+-- The relay writes it at most every 200 ms, only when a new transaction has
 -- become durable. `outbox-relay status` shows it; `outbox-relay recover` uses
 -- last_commit_time to re-publish outbox rows when the slot itself was lost.
 -- When: `outbox-relay setup` creates it; run this by hand only if setup runs

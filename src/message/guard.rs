@@ -1,7 +1,9 @@
 //! What a templated exchange may render to. A row chooses its exchange
 //! only within the template: never the default exchange (`""`, which
 //! delivers straight into the queue the routing key names, past every
-//! binding), never the broker's own `amq.*`, and, with
+//! binding), never the broker's own `amq.*`, never more than
+//! [`MAX_RENDERED`] bytes or characters outside AMQP's set for exchange
+//! names (the broker's refusal must name it whole), and, with
 //! `rabbitmq.exchange_pattern`, only names that match it in full. A
 //! literal exchange is the operator's choice and not checked.
 
@@ -20,6 +22,20 @@ pub struct ExchangeGuard {
 /// The broker's own exchanges.
 const RESERVED: &str = "amq.";
 
+/// The longest name a template may render to. The broker names a refused
+/// exchange in its reply, which it cuts at 255 bytes with the vhost (and,
+/// for a 403, the user) in it; a name cut off could not be learnt, and its
+/// row would stop the relay on every replay. 127 bytes leaves room for a
+/// vhost and a user of 58 bytes together.
+pub const MAX_RENDERED: usize = 127;
+
+/// The characters of an exchange name in AMQP 0-9-1 (letters, digits, `-`,
+/// `_`, `.`, `:`): nothing a reply quotes a name with, so the name the
+/// broker refused reads back exactly.
+fn amqp_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':')
+}
+
 impl ExchangeGuard {
     /// `Ok` when `name`, rendered for event `id`, may be published to.
     /// No allocation unless a pattern is set and the name is in pieces.
@@ -37,6 +53,17 @@ impl ExchangeGuard {
         }
         if starts_with(name.parts(), RESERVED) {
             return Err(refuse("amq.* exchanges are the broker's own".into()));
+        }
+        if name.len > MAX_RENDERED {
+            return Err(refuse(format!(
+                "it is {} bytes long, over the {MAX_RENDERED} a templated exchange may have",
+                name.len
+            )));
+        }
+        if !name.parts().iter().all(|p| p.bytes().all(amqp_name_byte)) {
+            return Err(refuse(
+                "it has characters other than letters, digits, '-', '_', '.' and ':'".into(),
+            ));
         }
         if let Some(p) = &self.pattern {
             let matched = match name.parts() {
@@ -108,6 +135,19 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("\"amq.topic\""), "{e}");
         assert!(g.check(&Name::literal("orders"), "1").is_ok());
+        // A name the broker's refusal could not quote whole.
+        let long = "x".repeat(MAX_RENDERED + 1);
+        let e = g.check(&Name::literal(&long), "1").unwrap_err();
+        assert!(e.to_string().contains("bytes long"), "{e}");
+        assert!(g.check(&Name::literal(&long[1..]), "1").is_ok());
+        for bad in ["a' in vhost '/", "a b", "a/b", "a\nb"] {
+            let e = g.check(&Name::literal(bad), "1").unwrap_err();
+            assert!(
+                e.to_string().contains("characters other than"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(g.check(&Name::literal("Orders-v2_eu:1.x"), "1").is_ok());
         let g = guard(Some("app\\.[a-z]+"));
         assert!(g.check(&Name::literal("app.").join("orders"), "1").is_ok());
         let e = g.check(&Name::literal("app.orders2"), "1").unwrap_err();

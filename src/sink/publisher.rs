@@ -255,7 +255,11 @@ impl<'a> Publisher<'a> {
             || is(&self.cfg.dead_letter_exchange);
         let any_dlx = self.dead_letters.iter().any(Option::is_some)
             || self.cfg.dead_letter_exchange.is_some();
-        if configured || !any_dlx {
+        // Refused again while known refused: its events were not sent to
+        // it, so the reply named something else (cut short, or not one of
+        // ours). End the session rather than reopen for ever.
+        let again = self.refused.refusal(&exchange).is_some();
+        if configured || !any_dlx || again {
             return Err(e.into());
         }
         warn!(exchange = %Shown(&exchange), reason = %e, "the broker refuses this templated exchange; its events are dead-lettered (it is tried again in a minute)");

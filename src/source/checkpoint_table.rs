@@ -12,19 +12,23 @@ use crate::checkpoint::Progress;
 use crate::config::Config;
 
 /// DDL of the checkpoint table (also in `sql/checkpoint.sql`): created, and
-/// brought up to date when an older version made it. The columns are added
-/// only when missing, so a role that does not own the table can run it once
-/// they exist.
+/// brought up to date when an older version made it. The table is created
+/// and the columns added only when missing, so a role that may not create
+/// in the schema nor owns the table (`sql/role.sql`'s) can run it once
+/// they exist: PostgreSQL checks CREATE on the schema even for `CREATE
+/// TABLE IF NOT EXISTS` of a table that exists.
 pub fn create_sql(cfg: &Config) -> String {
     let t = cfg.postgres.checkpoint_table.quoted();
     let literal = t.replace('\'', "''");
     format!(
-        "CREATE TABLE IF NOT EXISTS {t} (\n  \
-           slot_name        text PRIMARY KEY,\n  \
-           confirmed_lsn    pg_lsn NOT NULL,\n  \
-           last_commit_time timestamptz,\n  \
-           written_at       timestamptz NOT NULL DEFAULT now()\n);\n\
-         DO $outbox_relay$ BEGIN\n\
+        "DO $outbox_relay$ BEGIN\n\
+           IF to_regclass('{literal}') IS NULL THEN\n\
+             CREATE TABLE {t} (\n  \
+               slot_name        text PRIMARY KEY,\n  \
+               confirmed_lsn    pg_lsn NOT NULL,\n  \
+               last_commit_time timestamptz,\n  \
+               written_at       timestamptz NOT NULL DEFAULT now()\n);\n\
+           END IF;\n\
            IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass \
                           AND attname = 'system_identifier' AND NOT attisdropped) THEN\n\
              ALTER TABLE {t}\n  \
