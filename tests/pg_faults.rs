@@ -374,12 +374,6 @@ async fn a_stalled_walsender_is_noticed() {
         "a stall before the fault"
     );
     // SIGCONT however this test ends: the server is shared.
-    struct Cont(u32);
-    impl Drop for Cont {
-        fn drop(&mut self) {
-            signal(self.0, "CONT");
-        }
-    }
     let cont = Cont(walsender as u32);
     signal(walsender as u32, "STOP");
     let stopped = Instant::now();
@@ -437,6 +431,16 @@ async fn relay_role_with_timeout(
     role
 }
 
+/// Sends SIGCONT to a process when dropped, however the test ends (the
+/// server is shared).
+struct Cont(u32);
+
+impl Drop for Cont {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
 /// How far walsender `pid` has read WAL.
 async fn sent_lsn(pg: &tokio_postgres::Client, pid: i32) -> Option<String> {
     pg.query_one(
@@ -449,10 +453,11 @@ async fn sent_lsn(pg: &tokio_postgres::Client, pid: i32) -> Option<String> {
 }
 
 /// Rows of the bulk transaction in
-/// [`a_busy_walsender_is_not_taken_for_a_dead_one`]: enough that replaying
-/// them takes PostgreSQL longer than `wal_sender_timeout` (25 s): about
-/// 2.5 s a million here.
-const BULK_ROWS: i64 = 20_000_000;
+/// [`a_busy_walsender_is_not_taken_for_a_dead_one`]. Replaying them takes
+/// 1 to 2.5 s a million here, depending on the load; the walsender runs a
+/// third of the time during the replay (a slow server), so that it lasts
+/// well over `wal_sender_timeout` (25 s) however fast the machine.
+const BULK_ROWS: i64 = 12_000_000;
 
 /// While PostgreSQL replays, at its commit, a large transaction whose
 /// changes are all on a table the publication does not cover, nothing
@@ -503,6 +508,17 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     pg.batch_execute("COMMIT").await.unwrap();
+    // A slow server: the walsender runs 50 ms of every 150 (it stays a live
+    // process that reads, on its own clock, what the relay sends).
+    let throttle = tokio::spawn(async move {
+        let _cont = Cont(walsender as u32);
+        loop {
+            signal(walsender as u32, "STOP");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            signal(walsender as u32, "CONT");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
     // How long sent_lsn stands still: the replay.
     let done = tokio_util::sync::CancellationToken::new();
     let still = tokio::spawn({
@@ -531,6 +547,8 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
             Some(&relay),
         )
         .await;
+    throttle.abort();
+    let _ = throttle.await;
     done.cancel();
     let replay = still.await.unwrap();
     println!(
