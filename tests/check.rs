@@ -599,6 +599,21 @@ async fn least_privilege_role_relays_and_cannot_take_a_base_backup() {
     assert_eq!(touched, 0, "updated other slots' checkpoint rows");
     drop(client);
 
+    // It sees its own checkpoint row only: `prune` as it refuses, since it
+    // could not know what the other slots have confirmed.
+    let out = fx
+        .relay_cmd("prune")
+        .args(["--older-than", "1s", "--dry-run"])
+        .envs(as_role.iter().copied())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "prune as {} ran: {said}", role.name);
+    assert!(
+        said.contains("row-level security") && said.contains("owner"),
+        "{said}"
+    );
+
     // No physical replication connection: pg_basebackup is refused.
     let backup = tempfile::tempdir().unwrap();
     let out = Command::new(pg_bin().join("pg_basebackup"))

@@ -65,6 +65,27 @@ pub async fn prune(
     // slots may read this outbox): the oldest position wins, and any
     // recovery under way stops the prune.
     let t = cfg.postgres.checkpoint_table.quoted();
+    // Under row-level security (sql/role.sql's policy) a role that neither
+    // owns the table nor bypasses RLS sees only its own slot's row: the
+    // oldest position would be this slot's alone, and rows other slots
+    // have not confirmed would go.
+    let hidden: bool = client
+        .query_one(
+            "SELECT c.relrowsecurity AND c.relowner <> r.oid AND NOT r.rolbypassrls \
+               AND NOT r.rolsuper \
+             FROM pg_class c, pg_roles r WHERE c.oid = $1::text::regclass \
+               AND r.rolname = current_user",
+            &[&t],
+        )
+        .await
+        .map_err(sql_err(&cfg.postgres, format!("reading who may see {t}")))?
+        .get(0);
+    if hidden {
+        return Err(SourceError::Setup(format!(
+            "{t} has row-level security and this role sees only its own slot's checkpoint:              pruning from it could delete rows other slots have not confirmed; run `prune` as              the table's owner (or a role with BYPASSRLS), see sql/role.sql"
+        ))
+        .into());
+    }
     let row = client
         .query_one(
             &format!(
