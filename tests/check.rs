@@ -614,6 +614,27 @@ async fn least_privilege_role_relays_and_cannot_take_a_base_backup() {
         "{said}"
     );
 
+    // A lost slot is recovered as it too: the checkpoint table's DDL runs
+    // only what is missing (the role may not create in the schema, which
+    // PostgreSQL checks even for CREATE TABLE IF NOT EXISTS).
+    let lost = fx
+        .insert(&pg, "ok", "lp-lost", "e", &serde_json::json!({}))
+        .await;
+    fx.drop_slot(&pg).await;
+    let out = fx
+        .relay_cmd("recover")
+        .envs(as_role.iter().copied())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "recover as {}: {}",
+        role.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    fx.collect_until(&[lost], Duration::from_secs(30), Duration::ZERO, None)
+        .await;
+
     // No physical replication connection: pg_basebackup is refused.
     let backup = tempfile::tempdir().unwrap();
     let out = Command::new(pg_bin().join("pg_basebackup"))
