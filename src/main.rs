@@ -141,7 +141,11 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %format!("{e:#}"), "stopped");
-            eprintln!("outbox-relay: {e:#}");
+            // Through the log's writer: an error can carry a server's (or a
+            // row's) text, and stays one line.
+            let mut err = outbox_relay::logtext::OneLine(std::io::stderr());
+            let _ =
+                std::io::Write::write_all(&mut err, format!("outbox-relay: {e:#}\n").as_bytes());
             ExitCode::FAILURE
         }
     }
