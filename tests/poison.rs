@@ -403,10 +403,7 @@ async fn row_headers_route_nothing_unless_the_outbox_opts_in() {
     assert_eq!(copy.message_id(), on, "the first row copied itself");
     assert!(copy.header("x-outbox-error").is_none());
     relay.stop_ok();
-    let ch = fx.amqp.create_channel().await.unwrap();
-    let _ = ch
-        .queue_delete(victim.as_str().into(), Default::default())
-        .await;
+    fx.delete_queue(&victim).await;
     fx.cleanup().await;
 }
 
@@ -493,9 +490,7 @@ async fn a_row_cannot_route_itself_past_its_template() {
         .unwrap();
     assert_eq!(q.message_count(), 0, "a row routed itself into {victim}");
     relay.stop_ok();
-    let _ = ch
-        .queue_delete(victim.as_str().into(), Default::default())
-        .await;
+    fx.delete_queue(&victim).await;
     fx.cleanup().await;
 }
 
@@ -658,10 +653,7 @@ async fn a_message_nacked_again_and_again_is_dead_lettered() {
     fx.expect_delivered(std::slice::from_ref(&after), &relay)
         .await;
     relay.stop_ok();
-    let ch = fx.amqp.create_channel().await.unwrap();
-    let _ = ch
-        .queue_delete(full.as_str().into(), Default::default())
-        .await;
+    fx.delete_queue(&full).await;
     fx.cleanup().await;
 }
 

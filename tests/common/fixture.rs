@@ -434,6 +434,15 @@ listen = "127.0.0.1:0"
         .unwrap();
     }
 
+    /// Deletes a queue the test declared itself (`cleanup` deletes only the
+    /// fixture's own); a queue already gone is fine.
+    pub async fn delete_queue(&self, name: &str) {
+        let ch = self.amqp.create_channel().await.unwrap();
+        let _ = ch
+            .queue_delete(name.into(), QueueDeleteOptions::default())
+            .await;
+    }
+
     /// A name unique to this fixture, e.g. for a dead-letter exchange.
     pub fn scoped(&self, what: &str) -> String {
         format!("{what}_{}", self.name)

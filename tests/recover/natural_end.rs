@@ -66,10 +66,7 @@ async fn a_recovery_s_late_confirms_are_waited_for_not_cut_at_the_grace_period()
     fx.expect_delivered(&[new], &relay).await;
     relay.assert_running("after the recovery");
     relay.stop_ok();
-    let ch = fx.amqp.create_channel().await.unwrap();
-    let _ = ch
-        .queue_delete(full.as_str().into(), Default::default())
-        .await;
+    fx.delete_queue(&full).await;
     fx.cleanup().await;
 }
 
@@ -104,9 +101,6 @@ async fn a_signal_during_a_recovery_exits_non_zero_and_keeps_the_record() {
     assert!(log.contains("stopped before the recovery"), "{log}");
     let pending: Option<String> = fx.checkpoint_column(&pg, "recovery_since::text").await;
     assert!(pending.is_some(), "the recovery's record is gone");
-    let ch = fx.amqp.create_channel().await.unwrap();
-    let _ = ch
-        .queue_delete(full.as_str().into(), Default::default())
-        .await;
+    fx.delete_queue(&full).await;
     fx.cleanup().await;
 }
