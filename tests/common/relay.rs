@@ -61,6 +61,13 @@ impl Relay {
         let lines: Vec<&str> = s.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
     }
+
+    /// The log's last 40 lines that do not contain `noise`.
+    pub fn log_but(&self, noise: &str) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().filter(|l| !l.contains(noise)).collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
 }
 
 impl Drop for Relay {
