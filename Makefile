@@ -14,7 +14,7 @@ SERVERS := integration/servers.sh
 #   make test TEST_CMD='cargo test --test chaos -- --nocapture'
 TEST_CMD ?=
 
-.PHONY: help build test demo bench deb lint clean
+.PHONY: help build test demo bench deb lint clean soak check-seed
 
 help: ## List the targets (default)
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -52,3 +52,16 @@ lint: ## rustfmt check + clippy with warnings as errors
 
 clean: ## Remove build artifacts
 	cargo clean
+
+# The whole-system checker (checker/): `make test` runs its fixed seeds;
+# these run more of it against servers of their own.
+SOAK_SECONDS ?= 3600
+soak: ## Checker: random seeds for SOAK_SECONDS -> target/checker/soak.md
+	$(SERVERS) install
+	cargo test --test checker --no-run
+	SOAK_SECONDS=$(SOAK_SECONDS) $(SERVERS) with cargo test --test checker
+
+check-seed: ## Checker: replay one seed (SEED=n) or a schedule file (SCHEDULE=path)
+	$(SERVERS) install
+	cargo test --test checker --no-run
+	CHECK_SEED=$(SEED) CHECK_SCHEDULE=$(SCHEDULE) $(SERVERS) with cargo test --test checker

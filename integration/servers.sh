@@ -178,6 +178,8 @@ max_wal_senders = 40
 wal_sender_timeout = 60s
 # Tests run 4 at a time, each with a few connections plus a walsender.
 max_connections = 200
+# The checker's workload commits and rolls back prepared transactions.
+max_prepared_transactions = 20
 # Durability is pointless for a throwaway cluster; speed is not.
 fsync = off
 synchronous_commit = off

@@ -47,7 +47,8 @@ if [[ -n ${TEST_PG_URL:-} && -n ${TEST_AMQP_URL:-} ]]; then
 fi
 
 mkdir -p target/suite
-args_a=() args_b=(--lib --bins --examples)
+# The checker (checker/main.rs, not under tests/) runs in lane B.
+args_a=() args_b=(--lib --bins --examples --test checker)
 for t in "${LANE_A[@]}"; do args_a+=(--test "$t"); done
 for t in "${lane_b[@]}"; do args_b+=(--test "$t"); done
 

@@ -1,0 +1,402 @@
+//! The nemesis, and the supervisor that keeps the relay running as
+//! systemd would. Faults are real: signals to the relay and the
+//! walsender, the servers stopped and restarted, the slot dropped, DDL,
+//! connections stalled, cut or half-closed in the proxies, operators'
+//! commands. When the relay stops with a documented error, the supervisor
+//! does what the error says (as an operator would) and starts it again;
+//! any other exit is a failure.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use crate::consumer::Consumer;
+use crate::schedule::Fault;
+use crate::world::World;
+
+pub struct Supervisor {
+    relay: Option<Relay>,
+    pub failures: Vec<String>,
+    pub peak_rss: u64,
+    pub starts: usize,
+    /// What the operator did, for the report.
+    pub remedies: Vec<String>,
+}
+
+impl Supervisor {
+    pub fn new(w: &World) -> Mutex<Supervisor> {
+        Mutex::new(Supervisor {
+            relay: Some(w.spawn_relay()),
+            failures: Vec::new(),
+            peak_rss: 0,
+            starts: 1,
+            remedies: Vec::new(),
+        })
+    }
+
+    fn sample_rss(&mut self) {
+        if let Some(r) = &self.relay
+            && let Ok(s) = std::fs::read_to_string(format!("/proc/{}/status", r.pid()))
+            && let Some(kb) = s
+                .lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        {
+            self.peak_rss = self.peak_rss.max(kb * 1024);
+        }
+    }
+
+    /// Ends the relay: SIGTERM, and it must exit 0.
+    pub fn stop(&mut self) {
+        self.sample_rss();
+        if let Some(mut r) = self.relay.take() {
+            if let Ok(Some(s)) = r.child.try_wait() {
+                self.failures.push(format!(
+                    "the relay had exited {s} before the end: {}",
+                    r.log_tail()
+                ));
+                return;
+            }
+            signal(r.pid(), "TERM");
+            match wait_timeout(&mut r.child, Duration::from_secs(40)) {
+                Some(s) if s.success() => {}
+                Some(s) => self
+                    .failures
+                    .push(format!("the relay exited {s} on SIGTERM: {}", r.log_tail())),
+                None => {
+                    self.failures
+                        .push("the relay did not exit within 40 s of SIGTERM".into());
+                    r.kill9();
+                }
+            }
+        }
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.relay.as_ref().map(Relay::pid)
+    }
+}
+
+/// Watches the relay until `done`: restarts it after a documented stop,
+/// once the operator's remedy has run; counts any other exit as a failure.
+pub async fn supervise(
+    w: &World,
+    sup: &Mutex<Supervisor>,
+    done: &tokio_util::sync::CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = done.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+        let exited = {
+            let mut s = sup.lock().unwrap();
+            s.sample_rss();
+            match s.relay.as_mut().map(|r| r.child.try_wait()) {
+                Some(Ok(Some(status))) => {
+                    let r = s.relay.take().unwrap();
+                    Some((status, r.log_tail()))
+                }
+                _ => None,
+            }
+        };
+        let Some((status, log)) = exited else {
+            continue;
+        };
+        let remedy = remedy_for(&log);
+        let said = log.lines().last().unwrap_or_default().to_owned();
+        match &remedy {
+            Some(args) => {
+                let mut all = vec![format!("relay exited {status}: {said}")];
+                let mut failed = None;
+                for a in args {
+                    let out = run_cmd(w, a).await;
+                    let line = format!("operator: outbox-relay {} -> {out}", a.join(" "));
+                    if out != "ok" {
+                        failed = Some(line.clone());
+                    }
+                    all.push(line);
+                }
+                let mut s = sup.lock().unwrap();
+                s.remedies.push(all.join("; "));
+                if let Some(f) = failed {
+                    s.failures
+                        .push(format!("the documented remedy failed: {f}"));
+                }
+            }
+            None => sup.lock().unwrap().failures.push(format!(
+                "the relay exited {status} with no documented remedy: {}",
+                tail(&log, 6)
+            )),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut s = sup.lock().unwrap();
+        if s.relay.is_none() {
+            s.relay = Some(w.spawn_relay());
+            s.starts += 1;
+        }
+    }
+}
+
+fn tail(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+/// The commands a documented stop names, as the operator runs them.
+fn remedy_for(log: &str) -> Option<Vec<Vec<String>>> {
+    let last = log.lines().rev().find(|l| !l.trim().is_empty())?;
+    if let Some(i) = last.find("republish --since ") {
+        let words: Vec<String> = last[i + "republish ".len()..]
+            .split_whitespace()
+            .map(|w| w.trim_end_matches(['`', '.', ',', ')', '"']).to_owned())
+            .collect();
+        let mut args = vec!["republish".to_owned()];
+        let mut it = words.into_iter();
+        while let Some(w) = it.next() {
+            if w == "--since" || w == "--table" {
+                let value = it.next().unwrap_or_default();
+                // A placeholder (`<time>`) is no time: the operator then
+                // republishes from when the run started.
+                if w == "--since" && !value.starts_with(|c: char| c.is_ascii_digit()) {
+                    args.push(w);
+                    args.push("{started_at}".into());
+                    continue;
+                }
+                args.push(w);
+                args.push(value);
+            } else {
+                break;
+            }
+        }
+        return Some(vec![vec!["setup".into()], args]);
+    }
+    if last.contains("outbox-relay recover") {
+        return Some(vec![vec!["recover".into()]]);
+    }
+    None
+}
+
+async fn run_cmd(w: &World, args: &[String]) -> String {
+    let mut cmd = w.relay_cmd(&args[0]);
+    cmd.args(
+        args[1..]
+            .iter()
+            .map(|a| a.replace("{started_at}", &w.started_at)),
+    );
+    let mut cmd = tokio::process::Command::from(cmd);
+    match tokio::time::timeout(Duration::from_secs(180), cmd.output()).await {
+        Ok(Ok(o)) if o.status.success() => "ok".into(),
+        Ok(Ok(o)) => format!(
+            "FAILED {}: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or_default()
+        ),
+        Ok(Err(e)) => format!("FAILED to start: {e}"),
+        Err(_) => "FAILED: no end within 180 s".into(),
+    }
+}
+
+/// Runs one fault (or operator command) to its end. An operator command
+/// that fails is returned as a failure.
+pub async fn inflict(
+    w: &World,
+    sup: &Mutex<Supervisor>,
+    consumer: &Consumer,
+    f: &Fault,
+) -> Result<(), String> {
+    let ms = |m: u32| tokio::time::sleep(Duration::from_millis(u64::from(m)));
+    match f {
+        Fault::Kill9 { down } => {
+            let r = {
+                let mut s = sup.lock().unwrap();
+                s.sample_rss();
+                s.relay.take()
+            };
+            if let Some(r) = r {
+                r.kill9();
+            }
+            ms(*down).await;
+            let mut s = sup.lock().unwrap();
+            if s.relay.is_none() {
+                s.relay = Some(w.spawn_relay());
+                s.starts += 1;
+            }
+        }
+        Fault::Pause { ms: m } => {
+            let pid = sup.lock().unwrap().pid();
+            if let Some(pid) = pid {
+                signal(pid, "STOP");
+                ms(*m).await;
+                signal(pid, "CONT");
+            }
+        }
+        Fault::Takeover { ms: m } => {
+            let second = w.spawn_relay();
+            ms(*m).await;
+            let first = {
+                let mut s = sup.lock().unwrap();
+                s.sample_rss();
+                s.starts += 1;
+                s.relay.replace(second)
+            };
+            if let Some(r) = first {
+                r.kill9();
+            }
+        }
+        Fault::BrokerRestart { ms: m } => {
+            ctl_async(rabbitmq_ctl, &["stop"]).await;
+            ms(*m).await;
+            ctl_async(rabbitmq_ctl, &["start"]).await;
+        }
+        Fault::MemoryAlarm { ms: m } => {
+            ctl_async(rabbitmq_ctl, &["ctl", "set_vm_memory_high_watermark", "0"]).await;
+            ms(*m).await;
+            ctl_async(
+                rabbitmq_ctl,
+                &["ctl", "set_vm_memory_high_watermark", "0.4"],
+            )
+            .await;
+        }
+        Fault::FullQueue { ms: m } => {
+            consumer
+                .paused
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            ms(*m).await;
+            consumer
+                .paused
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+        Fault::PgRestart => ctl_async(pg_ctl, &["restart"]).await,
+        Fault::TerminateWalsender => {
+            let pg = pg_connect_retry().await;
+            let _ = pg
+                .execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                     WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                    &[&w.slot],
+                )
+                .await;
+        }
+        Fault::StopWalsender { ms: m } => {
+            let pg = pg_connect_retry().await;
+            let pid: Option<i32> = pg
+                .query_opt(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                    &[&w.slot],
+                )
+                .await
+                .ok()
+                .flatten()
+                .map(|r| r.get(0));
+            if let Some(pid) = pid {
+                signal(pid as u32, "STOP");
+                ms(*m).await;
+                signal(pid as u32, "CONT");
+            }
+        }
+        Fault::DropSlot => {
+            let pg = pg_connect_retry().await;
+            let end = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < end {
+                let _ = pg
+                    .execute(
+                        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                         WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                        &[&w.slot],
+                    )
+                    .await;
+                if pg
+                    .execute("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+                    .await
+                    .is_ok()
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Fault::Stall { pg, ms: m } => {
+            let p = if *pg { &w.pg_proxy } else { &w.amqp_proxy };
+            p.stall(true);
+            ms(*m).await;
+            p.stall(false);
+        }
+        Fault::Cut { pg } => (if *pg { &w.pg_proxy } else { &w.amqp_proxy }).cut(),
+        Fault::HalfClose { pg } => (if *pg { &w.pg_proxy } else { &w.amqp_proxy }).half_close(),
+        Fault::AddColumn => {
+            ddl(&format!(
+                "ALTER TABLE {} ADD COLUMN IF NOT EXISTS chk_extra text DEFAULT 'x'",
+                w.tables[0]
+            ))
+            .await?
+        }
+        Fault::Recreate => {
+            let t = &w.tables[0];
+            ddl(&format!(
+                "BEGIN; DROP TABLE {t} CASCADE; {} COMMIT",
+                w.table_ddl(t)
+            ))
+            .await?
+        }
+        Fault::AttachPartition => {
+            let t = &w.tables[0];
+            ddl(&format!(
+                "CREATE TABLE IF NOT EXISTS {t}_late PARTITION OF {t} FOR VALUES IN ('{}')",
+                w.aggregate_type(2)
+            ))
+            .await?
+        }
+        Fault::Prune => operator(w, &["prune", "--older-than", "2s"]).await?,
+        // A window of the last few seconds only: a re-publication of the
+        // whole run would hide any loss before it.
+        Fault::Republish => {
+            let pg = pg_connect_retry().await;
+            let since: String = pg
+                .query_one(
+                    "SELECT to_char(now() AT TIME ZONE 'UTC' - interval '3 seconds', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
+                    &[],
+                )
+                .await
+                .map_err(|e| e.to_string())?
+                .get(0);
+            operator(w, &["republish", "--since", &since]).await?
+        }
+        Fault::SetupCmd => operator(w, &["setup"]).await?,
+    }
+    Ok(())
+}
+
+async fn ddl(sql: &str) -> Result<(), String> {
+    let pg = pg_connect_retry().await;
+    // Behind a long transaction (a million-row one, a prepared one), give
+    // up rather than queue every producer behind the lock request.
+    pg.batch_execute("SET lock_timeout = '20s'")
+        .await
+        .map_err(|e| e.to_string())?;
+    pg.batch_execute(sql)
+        .await
+        .map_err(|e| format!("DDL {sql:?}: {e}"))
+}
+
+async fn operator(w: &World, args: &[&str]) -> Result<(), String> {
+    let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+    // Servers a fault just restarted may still be coming up: an operator
+    // tries again a few times.
+    let mut out = String::new();
+    for _ in 0..3 {
+        out = run_cmd(w, &args).await;
+        if out == "ok" {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    Err(format!(
+        "operator command outbox-relay {}: {out}",
+        args.join(" ")
+    ))
+}

@@ -1,0 +1,424 @@
+//! One run: set the world up, start the relay, the consumer, the
+//! producers and the nemesis together; when the faults are over and the
+//! producers done, wait for the backlog to drain; then judge.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use outbox_relay::lsn::Lsn;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+use crate::consumer::{Consumer, From};
+use crate::nemesis::{Supervisor, inflict, supervise};
+use crate::oracle::{self, Committed};
+use crate::schedule::{Fault, Schedule};
+use crate::workload::{Produced, Producer};
+use crate::world::World;
+
+/// Once the faults stop and the producers are done, everything committed
+/// must be delivered, and the slot past the last commit, within this.
+pub const DRAIN_BOUND: Duration = Duration::from_secs(90);
+/// The relay's peak resident memory may not pass this (the Kubernetes
+/// manifest's limit).
+pub const RSS_BOUND: u64 = 256 << 20;
+/// Events written in a run, about, beyond its first round.
+const EVENT_CAP: u64 = 40_000;
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub schedule: String,
+    pub failures: Vec<String>,
+    pub faults: BTreeMap<String, usize>,
+    pub duplicates_by_fault: BTreeMap<String, usize>,
+    pub events: usize,
+    pub deliveries: usize,
+    pub duplicates: usize,
+    pub dead_lettered: usize,
+    pub latencies_ms: Vec<f64>,
+    pub peak_rss: u64,
+    pub drain_secs: f64,
+    pub wall_secs: f64,
+    pub relay_starts: usize,
+    pub remedies: Vec<String>,
+    pub produced: (usize, usize, usize),
+}
+
+impl Report {
+    pub fn failed(&self) -> bool {
+        !self.failures.is_empty()
+    }
+}
+
+/// Longest a run may take, all phases: past it, the run failed (a hang).
+/// What it left on the servers is swept by the next run.
+const RUN_BOUND: Duration = Duration::from_secs(900);
+
+/// [`run`], failed when it passes [`RUN_BOUND`].
+pub async fn bounded(s: &Schedule) -> Report {
+    match tokio::time::timeout(RUN_BOUND, run(s)).await {
+        Ok(r) => r,
+        Err(_) => Report {
+            seed: s.seed,
+            schedule: s.to_string(),
+            failures: vec![format!("HANG: the run did not end within {RUN_BOUND:?}")],
+            ..Report::default()
+        },
+    }
+}
+
+async fn run(s: &Schedule) -> Report {
+    let started = Instant::now();
+    let mut report = Report {
+        seed: s.seed,
+        schedule: s.to_string(),
+        ..Report::default()
+    };
+    let admin = pg_connect_retry().await;
+    let w = World::create(s, &admin).await;
+    let consumer = Consumer::start([
+        (w.queue.clone(), From::Main),
+        (w.dlq.clone(), From::Dead),
+        (w.victim.clone(), From::Victim),
+    ]);
+    let sup = Supervisor::new(&w);
+    let done = CancellationToken::new();
+    let faults_done = Arc::new(AtomicBool::new(false));
+    let mut timeline: Vec<(Instant, String)> = Vec::new();
+
+    let nemesis = async {
+        let mut failures = Vec::new();
+        for (gap, f) in &s.faults {
+            tokio::time::sleep(Duration::from_millis(u64::from(*gap))).await;
+            timeline.push((Instant::now(), f.kind()));
+            if let Err(e) = inflict(&w, &sup, &consumer, f).await {
+                failures.push(format!("{f}: {e}"));
+            }
+        }
+        faults_done.store(true, std::sync::atomic::Ordering::SeqCst);
+        failures
+    };
+    // Producers go round their lists until the faults are over (once at
+    // least), so that faults meet a stream.
+    // Past EVENT_CAP events in all, they stop after the first round: the
+    // backlog stays within what the relay drains in DRAIN_BOUND.
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let producers =
+        futures_util::future::join_all(s.producers.iter().enumerate().map(|(i, txs)| {
+            let (w, faults_done, written) = (&w, faults_done.clone(), written.clone());
+            async move {
+                let mut all = Vec::new();
+                let mut round = 0u64;
+                loop {
+                    let p = Producer::new(w, i, s.seed.wrapping_add(round << 32));
+                    all.push(p.run(txs, written.clone(), EVENT_CAP, round == 0).await);
+                    round += 1;
+                    let capped = written.load(std::sync::atomic::Ordering::SeqCst) >= EVENT_CAP;
+                    if faults_done.load(std::sync::atomic::Ordering::SeqCst)
+                        || txs.is_empty()
+                        || capped
+                    {
+                        break all;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }));
+    let (fault_failures, produced, ()) = tokio::join!(
+        nemesis,
+        producers,
+        async {
+            supervise(&w, &sup, &done).await;
+        }
+        .with_cancel_on(&done, faults_done.clone())
+    );
+    report.failures.extend(fault_failures);
+    let produced: Vec<Produced> = produced.into_iter().flatten().collect();
+    for p in &produced {
+        report.produced.0 += p.committed_txs;
+        report.produced.1 += p.rolled_back_txs;
+        report.produced.2 += p.failed_txs;
+    }
+
+    // Drain: the supervisor still restarts a relay that stops.
+    let drain = Instant::now();
+    let sup_done = CancellationToken::new();
+    let (record, confirmed) = tokio::join!(
+        async {
+            let r = drain_until_complete(&w, &consumer).await;
+            sup_done.cancel();
+            r
+        },
+        supervise(&w, &sup, &sup_done)
+    )
+    .0;
+    report.drain_secs = drain.elapsed().as_secs_f64();
+    let record = match record {
+        Ok(r) => r,
+        Err(e) => {
+            // No record, no verdict: the run counts as failed, for that.
+            report.failures.push(format!("no verdict: {e}"));
+            sup.lock().unwrap().stop();
+            consumer.stop();
+            w.cleanup().await;
+            report.wall_secs = started.elapsed().as_secs_f64();
+            return report;
+        }
+    };
+    let last_commit = record.iter().map(|c| c.commit).max().unwrap_or(Lsn(0));
+    if confirmed < last_commit {
+        report.failures.push(format!(
+            "STALL: the slot's confirmed position {confirmed} is still before the last commit {last_commit} \
+             {DRAIN_BOUND:?} after the faults stopped"
+        ));
+    }
+    // Late stray deliveries (a rolled-back event, a duplicate) show here.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let got = consumer.snapshot();
+    // Not kept, as documented: a nacked message's retry comes after later
+    // events; a re-publication (republish, recover, a lost slot, a
+    // re-created table) goes by created_at, which is not commit order.
+    // A bounded queue may nack whenever the consumer lags.
+    let order = !s.setup.bounded_queue
+        && sup.lock().unwrap().remedies.is_empty()
+        && !s.faults.iter().any(|(_, f)| {
+            matches!(
+                f,
+                Fault::FullQueue { .. } | Fault::Republish | Fault::DropSlot | Fault::Recreate
+            )
+        });
+    // Read again: a statement given up on may have committed meanwhile.
+    let record = match oracle::committed(&pg_connect_retry().await, &w.observer, &w.record).await {
+        Ok(again) if again.len() >= record.len() => again,
+        _ => record,
+    };
+    // A documented stop must have a cause among the faults: the relay
+    // asking for `recover` or `republish` after a plain restart would be a
+    // defect the remedy hides.
+    for remedy in &sup.lock().unwrap().remedies {
+        let caused = |f: fn(&Fault) -> bool| s.faults.iter().any(|(_, x)| f(x));
+        let ok = if remedy.contains("outbox-relay republish") {
+            caused(|f| matches!(f, Fault::Recreate))
+        } else if remedy.contains("outbox-relay recover") {
+            caused(|f| matches!(f, Fault::DropSlot))
+        } else {
+            true
+        };
+        if !ok {
+            report.failures.push(format!(
+                "a documented stop no fault of this run explains: {remedy}"
+            ));
+        }
+    }
+    let hostile: std::collections::HashSet<String> = produced
+        .iter()
+        .flat_map(|p| p.hostile.iter().cloned())
+        .collect();
+    let v = oracle::judge(&record, &got, order, &hostile);
+    report.failures.extend(v.failures);
+    report.events = v.events;
+    report.deliveries = v.deliveries;
+    report.duplicates = v.duplicates;
+    report.dead_lettered = v.dead_lettered;
+    attribute(&mut report, &timeline, &got);
+    for (_, f) in &s.faults {
+        *report.faults.entry(f.kind()).or_default() += 1;
+    }
+    latencies(&mut report, &produced, &got);
+
+    let mut sv = sup.into_inner().unwrap();
+    sv.stop();
+    report.failures.append(&mut sv.failures);
+    report.peak_rss = sv.peak_rss;
+    if sv.peak_rss > RSS_BOUND {
+        report.failures.push(format!(
+            "MEMORY: the relay's peak RSS {} MiB passed {} MiB",
+            sv.peak_rss >> 20,
+            RSS_BOUND >> 20
+        ));
+    }
+    report.relay_starts = sv.starts;
+    report.remedies = sv.remedies;
+    consumer.stop();
+    // Leave the servers as found: a failed run must not poison the next.
+    ctl_async(
+        rabbitmq_ctl,
+        &["ctl", "set_vm_memory_high_watermark", "0.4"],
+    )
+    .await;
+    if report.failed() {
+        // The relay's logs and config, for the failure.
+        let kept = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("target/checker/run-{}-{}", s.seed, w.p));
+        let _ = std::fs::create_dir_all(&kept);
+        for f in std::fs::read_dir(w.dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = std::fs::copy(f.path(), kept.join(f.file_name()));
+        }
+        println!("checker: the relay's logs are in {}", kept.display());
+    }
+    w.cleanup().await;
+    report.wall_secs = started.elapsed().as_secs_f64();
+    report
+}
+
+/// Waits (at most [`DRAIN_BOUND`]) until every committed event was
+/// delivered or dead-lettered and the slot passed the last commit. Returns
+/// the record and the slot's confirmed position.
+async fn drain_until_complete(
+    w: &World,
+    consumer: &Consumer,
+) -> (Result<Vec<Committed>, String>, Lsn) {
+    let end = Instant::now() + DRAIN_BOUND;
+    // A connection of its own: a fault may have closed any earlier one.
+    let pg = &pg_connect_retry().await;
+    // A statement the producer gave up on may still commit: wait until
+    // none of the run's writes is running, then read the record.
+    while Instant::now() < end {
+        let busy: i64 = pg
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
+                 AND backend_type = 'client backend' AND state <> 'idle' \
+                 AND (query LIKE $1 OR query LIKE $2)",
+                // Writes name the record; COMMIT PREPARED, the gid.
+                &[&format!("%{}%", w.record), &format!("%PREPARED '{}%", w.p)],
+            )
+            .await
+            .map_or(1, |r| r.get(0));
+        if busy == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Commits are asynchronous here (synchronous_commit = off), and
+    // decoding reads only flushed WAL: one synchronous commit that wrote
+    // WAL flushes it all.
+    let _ = pg
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL synchronous_commit = on; INSERT INTO {} VALUES (0); COMMIT",
+            w.bulk
+        ))
+        .await;
+    let mut record = oracle::committed(pg, &w.observer, &w.record).await;
+    if std::env::var_os("CHECK_DEBUG").is_some() {
+        let rows: i64 = pg
+            .query_one(&format!("SELECT count(*) FROM {}", w.record), &[])
+            .await
+            .map_or(-1, |r| r.get(0));
+        let flush: String = pg
+            .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+            .await
+            .map_or(String::new(), |r| r.get(0));
+        eprintln!(
+            "checker: record read: {:?} events decoded, {rows} rows in the table, WAL flushed to {flush}",
+            record.as_ref().map(Vec::len)
+        );
+    }
+    let mut confirmed = Lsn(0);
+    loop {
+        let pg = pg_connect_retry().await;
+        if let Ok(Some(row)) = pg
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&w.slot],
+            )
+            .await
+        {
+            confirmed = row
+                .get::<_, Option<String>>(0)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(Lsn(0));
+        }
+        if let Ok(r) = &record {
+            let got: std::collections::HashSet<String> =
+                consumer.snapshot().into_iter().map(|d| d.id).collect();
+            let last = r.iter().map(|c| c.commit).max().unwrap_or(Lsn(0));
+            if confirmed >= last && r.iter().all(|c| got.contains(&c.id)) {
+                return (record, confirmed);
+            }
+        }
+        if Instant::now() >= end {
+            return (record, confirmed);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if record.is_err() {
+            record = oracle::committed(&pg, &w.observer, &w.record).await;
+        }
+        if Instant::now() >= end {
+            return (record, confirmed);
+        }
+    }
+}
+
+/// Each duplicate delivery counts against the last fault before it.
+fn attribute(
+    report: &mut Report,
+    timeline: &[(Instant, String)],
+    got: &[crate::consumer::Delivery],
+) {
+    let mut seen = std::collections::HashSet::new();
+    for d in got.iter().filter(|d| d.from == From::Main) {
+        if !seen.insert(d.id.as_str()) {
+            let kind = timeline
+                .iter()
+                .rev()
+                .find(|(t, _)| *t <= d.at)
+                .map_or("none", |(_, k)| k.as_str());
+            *report
+                .duplicates_by_fault
+                .entry(kind.to_owned())
+                .or_default() += 1;
+        }
+    }
+}
+
+fn latencies(report: &mut Report, produced: &[Produced], got: &[crate::consumer::Delivery]) {
+    let mut first: std::collections::HashMap<&str, Instant> = std::collections::HashMap::new();
+    for d in got {
+        first.entry(d.id.as_str()).or_insert(d.at);
+    }
+    for p in produced {
+        for (id, at) in &p.committed_at {
+            if let Some(t) = first.get(id.as_str()) {
+                report
+                    .latencies_ms
+                    .push(t.saturating_duration_since(*at).as_secs_f64() * 1000.0);
+            }
+        }
+    }
+}
+
+trait WithCancel: Sized {
+    fn with_cancel_on(
+        self,
+        done: &CancellationToken,
+        flag: Arc<AtomicBool>,
+    ) -> impl Future<Output = ()>;
+}
+
+impl<F: Future<Output = ()>> WithCancel for F {
+    /// Runs `self` until `flag` is set (the faults are over), then cancels
+    /// `done` so that it ends.
+    fn with_cancel_on(
+        self,
+        done: &CancellationToken,
+        flag: Arc<AtomicBool>,
+    ) -> impl Future<Output = ()> {
+        let done = done.clone();
+        async move {
+            let watcher = async {
+                while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                done.cancel();
+            };
+            tokio::join!(self, watcher);
+        }
+    }
+}
