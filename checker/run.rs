@@ -224,6 +224,13 @@ async fn run(s: &Schedule) -> Report {
     report.duplicates = v.duplicates;
     report.dead_lettered = v.dead_lettered;
     attribute(&mut report, &timeline, &got);
+    // At-least-once allows a copy per fault, never one without a fault:
+    // with nothing gone wrong, every event is sent once.
+    if let Some(n) = report.duplicates_by_fault.get("none") {
+        report.failures.push(format!(
+            "DUPLICATE: {n} deliveries repeated an event before any fault was injected"
+        ));
+    }
     for (_, f) in &s.faults {
         *report.faults.entry(f.kind()).or_default() += 1;
     }

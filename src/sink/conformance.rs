@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
+use amq_protocol::protocol::{AMQPClass, basic, channel, connection, exchange};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
@@ -337,6 +337,144 @@ async fn channel_flow_is_answered_and_pauses_publishing() {
     assert!(w.is_blocked());
     assert_eq!(next_event(&mut w).await.unwrap(), Event::Blocked(false));
     assert!(!w.is_blocked());
+    broker.await.unwrap();
+}
+
+/// The client's `channel.open` on channel 2, answered, then its passive
+/// `exchange.declare` there.
+async fn expect_declare(p: &mut Peer) {
+    let (ch, m) = p.method().await;
+    assert_eq!(ch, 2);
+    assert!(
+        matches!(m, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
+        "{m:?}"
+    );
+    p.send_method(
+        2,
+        AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+    )
+    .await;
+    let (ch, m) = p.method().await;
+    assert_eq!(ch, 2);
+    assert!(
+        matches!(m, AMQPClass::Exchange(exchange::AMQPMethod::Declare(ref d)) if d.passive),
+        "{m:?}"
+    );
+}
+
+/// A passive declare mid-session (a templated exchange looked for before
+/// its first event): acks for earlier publishes that arrive while it waits
+/// are kept for the caller in order, a 404 on the control channel is the
+/// answer "no such exchange" and leaves the publishing channel open, and a
+/// 404 closing the publishing channel meanwhile is not that answer: the
+/// declare gets its own, and the close comes after the acks before it.
+#[tokio::test]
+async fn a_passive_declare_mid_session_keeps_the_answers_it_reads_past() {
+    let (t, broker) = broker("127.0.0.1", |mut p| async move {
+        p.handshake(131_072).await;
+        let close = |code: u16| {
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: code,
+                reply_text: "NOT_FOUND - no exchange 'gone' in vhost 'v'".into(),
+                class_id: 40,
+                method_id: 10,
+            }))
+        };
+        let ack = |tag| {
+            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag: tag,
+                multiple: false,
+            }))
+        };
+        p.publish().await;
+        p.publish().await;
+        p.send_method(1, ack(1)).await;
+        expect_declare(&mut p).await;
+        p.send_method(1, ack(2)).await;
+        p.send_method(2, close(404)).await;
+        let (ch, m) = p.method().await;
+        assert_eq!(ch, 2);
+        assert!(
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
+            "{m:?}"
+        );
+        // Publishing goes on on channel 1.
+        p.publish().await;
+        p.send_method(1, ack(3)).await;
+        // The publishing channel closes while a declare waits, after an
+        // ack; then the declare's answer comes.
+        p.publish().await;
+        expect_declare(&mut p).await;
+        p.send_method(1, ack(4)).await;
+        p.send_method(1, close(404)).await;
+        let (ch, m) = p.method().await;
+        assert_eq!(ch, 1);
+        assert!(
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
+            "{m:?}"
+        );
+        p.send_method(
+            2,
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+        )
+        .await;
+        let (ch, m) = p.method().await;
+        assert_eq!(ch, 2);
+        assert!(
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::Close(_))),
+            "{m:?}"
+        );
+        p.send_method(
+            2,
+            AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+        )
+        .await;
+    })
+    .await;
+    let mut w = connect(&t).await.unwrap();
+    w.publish(message("a", 10)).unwrap();
+    w.publish(message("b", 10)).unwrap();
+    let exists = tokio::time::timeout(Duration::from_secs(10), w.exchange_exists("gone")).await;
+    assert!(
+        !exists.expect("declare hung").unwrap(),
+        "404 on the control channel: none such"
+    );
+    for tag in [1, 2] {
+        assert_eq!(
+            next_event(&mut w).await.unwrap(),
+            Event::Ack {
+                tag,
+                multiple: false
+            }
+        );
+    }
+    assert_eq!(w.publish(message("c", 10)).unwrap(), 3);
+    assert_eq!(
+        next_event(&mut w).await.unwrap(),
+        Event::Ack {
+            tag: 3,
+            multiple: false
+        }
+    );
+    w.publish(message("d", 10)).unwrap();
+    let exists = tokio::time::timeout(Duration::from_secs(10), w.exchange_exists("other")).await;
+    assert!(
+        exists.expect("declare hung").unwrap(),
+        "the publishing channel's close is not the declare's answer"
+    );
+    assert!(!w.publishing_open());
+    assert_eq!(
+        next_event(&mut w).await.unwrap(),
+        Event::Ack {
+            tag: 4,
+            multiple: false
+        }
+    );
+    match next_event(&mut w).await {
+        Err(WireError::ChannelClosed { code: 404, .. }) => {}
+        other => panic!("the publishing channel's close not reported after its ack: {other:?}"),
+    }
+    assert!(w.publish(message("e", 10)).is_err(), "channel 1 is closed");
     broker.await.unwrap();
 }
 

@@ -343,6 +343,12 @@ impl AmqpSink {
         }
     }
 
+    /// Whether the publishing channel is open; when not, the next
+    /// [`AmqpSink::answer`] says why.
+    pub fn publishing_open(&self) -> bool {
+        self.wire.publishing_open()
+    }
+
     /// True while the broker has blocked publishing (resource alarm).
     pub fn is_blocked(&self) -> bool {
         self.wire.is_blocked()

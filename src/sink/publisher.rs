@@ -6,6 +6,7 @@
 //! dead-lettering, so its transaction becomes durable only once the broker
 //! took *some* copy of it: on its exchange, or on the dead-letter exchange.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -19,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::budget::ByteBudget;
 use super::refusals::{Head, Refusals};
-use super::refused::{Refusal, RefusedExchanges};
+use super::refused::{self, Refusal, RefusedExchanges};
 use super::replies::Disposition;
 use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, CheckpointError, Progress, Seq};
@@ -126,6 +127,15 @@ struct Publisher<'a> {
     /// them are dead-lettered instead of closing the channel. Taken from
     /// `refusals` for the session, given back when it ends.
     refused: RefusedExchanges,
+    /// Templated exchanges the broker said exist this session (a passive
+    /// declare before the first event to each): an event is never the
+    /// first to find one missing, so a missing one closes no channel and
+    /// sends nothing again. At most [`refused::CAP`] names, then forgotten
+    /// all at once (each costs one more check).
+    verified: HashSet<String>,
+    /// The event waiting for its templated exchange to be looked for; no
+    /// new event is taken meanwhile (their order).
+    held_back: Option<(InFlight, String)>,
     /// Events published this session.
     sent: u64,
     /// Bytes held by messages not yet confirmed (waiting, or waiting for a
@@ -136,6 +146,15 @@ struct Publisher<'a> {
 }
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
+
+/// Whether an event's templated exchange is looked for before it is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verify {
+    /// Yes, unless the broker said it exists this session.
+    First,
+    /// No: the event was sent before (its exchange was looked for then).
+    Skip,
+}
 
 /// Publishes of a message the broker keeps nacking before it is
 /// dead-lettered: with the doubling backoff (capped at 30 s) about two
@@ -207,19 +226,28 @@ impl<'a> Publisher<'a> {
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
         let f = InFlight::new(seq, Content::Event(ev), (0, bytes), commit_time_us);
-        self.send_event(sink, f)
+        self.send_event(sink, f, Verify::First)
     }
 
     /// Publishes the event `f` holds, encoded straight from its row, or its
-    /// dead letter in its place.
-    fn send_event(&mut self, sink: &mut AmqpSink, mut f: InFlight) -> Result<(), PublishError> {
+    /// dead letter in its place; or holds it back until its templated
+    /// exchange has been looked for (`verify`).
+    fn send_event(
+        &mut self,
+        sink: &mut AmqpSink,
+        mut f: InFlight,
+        verify: Verify,
+    ) -> Result<(), PublishError> {
         let Content::Event(ev) = &f.content else {
             let env = f.envelope()?;
             self.held += f.held;
             return self.launch(sink, f, env);
         };
-        let (tag, body_bytes) = match self.message(ev, sink.frame_max())? {
-            Ok(view) => (sink.publish_view(&view)?, view.body.len()),
+        let sent = match self.message(ev, sink.frame_max())? {
+            Ok(view) => match self.unverified(ev, &view, verify) {
+                None => Ok((sink.publish_view(&view)?, view.body.len())),
+                Some(exchange) => Err(exchange),
+            },
             Err(dl) => {
                 let d = InFlight::dead_letter(f.seq, f.commit_time_us, dl);
                 self.held += d.held;
@@ -227,10 +255,68 @@ impl<'a> Publisher<'a> {
                 return self.launch(sink, d, env);
             }
         };
+        let (tag, body_bytes) = match sent {
+            Ok(sent) => sent,
+            Err(exchange) => {
+                debug_assert!(self.held_back.is_none(), "one event held back at a time");
+                self.held_back = Some((f, exchange));
+                return Ok(());
+            }
+        };
         f.body_bytes = body_bytes;
         self.held += f.held;
         self.unconfirmed.push(tag, f);
         Ok(())
+    }
+
+    /// The templated exchange `m` goes to when the broker has not yet said
+    /// it exists this session, and an answer would matter: its events can
+    /// be dead-lettered. (Without a dead-letter exchange a missing one
+    /// stops the relay either way.)
+    fn unverified(&self, ev: &OutboxEvent, m: &MessageView<'_>, verify: Verify) -> Option<String> {
+        // A guard is what a templated exchange has, and only it.
+        let templated = ev
+            .mapping
+            .as_ref()
+            .is_ok_and(|m| m.exchange_guard.is_some());
+        if verify == Verify::Skip || !templated || self.dlx(ev.outbox).is_none() {
+            return None;
+        }
+        let exchange = m.exchange.parts().concat();
+        let known =
+            self.verified.contains(&exchange) || self.cfg.fixed_exchanges.contains(&exchange);
+        (!known).then_some(exchange)
+    }
+
+    /// Looks for the held-back event's exchange (a passive declare on the
+    /// control channel; answers to earlier publishes read meanwhile are
+    /// kept), then sends the event, or its dead letter when there is no
+    /// such exchange.
+    async fn verify(&mut self, sink: &mut AmqpSink) -> Result<(), PublishError> {
+        let (f, exchange) = self.held_back.take().expect("called when held back");
+        match sink.check_exchange(&exchange).await {
+            Ok(()) => {
+                if self.verified.len() >= refused::CAP {
+                    self.verified.clear();
+                }
+                self.verified.insert(exchange.clone());
+            }
+            Err(SinkError::NoExchange(_)) => {
+                warn!(exchange = %Shown(&exchange), "the broker has no such templated exchange; its events are dead-lettered (it is looked for again in a minute)");
+                self.refused.insert(exchange.clone(), Refusal::Missing);
+            }
+            // Anything else (the broker silent, the connection closed) ends
+            // the session; the event was not sent.
+            Err(e) => return Err(e.into()),
+        }
+        // The publishing channel closed meanwhile (a refusal of an event
+        // sent before): the next answer says why, and the event waits for
+        // what follows (`route_around`).
+        if !sink.publishing_open() {
+            self.held_back = Some((f, exchange));
+            return Ok(());
+        }
+        self.send_event(sink, f, Verify::First)
     }
 
     /// The broker closed the publishing channel over `e`. When it refused
@@ -263,12 +349,15 @@ impl<'a> Publisher<'a> {
             return Err(e.into());
         }
         warn!(exchange = %Shown(&exchange), reason = %e, "the broker refuses this templated exchange; its events are dead-lettered (it is tried again in a minute)");
+        self.verified.remove(&exchange);
         self.refused.insert(exchange, refusal);
         sink.reopen().await?;
+        // Sent before: sent again as they were, none held back (their
+        // order).
         for mut f in self.unconfirmed.take_all() {
             self.held -= f.held;
             f.published_at = Instant::now();
-            self.send_event(sink, f)?;
+            self.send_event(sink, f, Verify::Skip)?;
         }
         Ok(())
     }
@@ -476,6 +565,8 @@ pub async fn run(
         clock: ConfirmClock::new(),
         refusals,
         refused: std::mem::take(&mut *refusals.missing.lock().expect("not poisoned")),
+        verified: HashSet::new(),
+        held_back: None,
         sent: 0,
         held: 0,
         budget,
@@ -538,6 +629,7 @@ pub async fn run(
                     full_window
                 };
                 open && !blocked
+                    && p.held_back.is_none()
                     && p.cp.in_flight() < window
                     && (p.held < cfg.window_bytes || p.cp.in_flight() == 0)
                     // One message left unanswered while the rest are
@@ -568,6 +660,12 @@ pub async fn run(
                     Ok(ev) => p.on_answer(ev)?,
                     Err(e) => p.route_around(sink, e).await?,
                 },
+                // An event waits for its exchange to be looked for. (Not
+                // while blocked: the broker reads nothing from a blocked
+                // connection, so the answer would not come.)
+                () = std::future::ready(()), if p.held_back.is_some() && !blocked => {
+                    p.verify(sink).await?;
+                }
                 Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked && !sink.wants_flush() => {
                     let env = f.envelope()?;
                     p.launch(sink, f, env)?;

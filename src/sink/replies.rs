@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | 312 NO_ROUTE | `basic.return`, one message | publish again `rabbitmq.unroutable_retries` times with backoff, then dead-letter |
 //! | `basic.nack` | one message | publish again with backoff; after 10 nacks, dead-letter |
+//! | 404 NOT_FOUND to the passive declare before a templated exchange's first event | control channel | dead-letter that exchange's events (with a dead-letter exchange; looked for again a minute later) |
 //! | 404 NOT_FOUND "no exchange", 403 ACCESS_REFUSED "access to exchange" | `channel.close`, a templated exchange | open the channel again, publish again what waited, and dead-letter that exchange's events (with a dead-letter exchange; the name is tried again a minute later), else stop |
 //! | 406 PRECONDITION_FAILED "message size … larger than … max size N" | `channel.close`, one message | learn N: bodies above it are dead-lettered without the body (with a dead-letter exchange), else stop |
 //! | 406 (other), 501 FRAME_ERROR, 502 SYNTAX_ERROR, 503 COMMAND_INVALID, 505 UNEXPECTED_FRAME, 540 NOT_IMPLEMENTED | `channel.close` / `connection.close` | reconnect and replay one message at a time past where the session failed; after 3 such failures with the same message alone in flight, dead-letter it bare (no body, no user headers) |

@@ -16,6 +16,7 @@
 //! channel, SASL mechanisms other than PLAIN. A failure ends the
 //! connection; the relay starts a new session, as it did with lapin.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::io;
 use std::pin::Pin;
@@ -230,6 +231,9 @@ pub struct Wire {
     flow_paused: bool,
     /// The broker closed the connection and close-ok is queued.
     answered_close: bool,
+    /// Answers to publishes read while waiting for a reply on the control
+    /// channel, handed out first by [`Wire::event`].
+    pending: VecDeque<Event>,
 }
 
 impl fmt::Debug for Wire {
@@ -300,6 +304,12 @@ impl Wire {
         self.wbuf.len() - self.written >= WRITE_HIGH_WATER
     }
 
+    /// Whether the publishing channel is open (a close the broker sent
+    /// while a passive declare waited is reported by [`Wire::event`]).
+    pub fn publishing_open(&self) -> bool {
+        self.channel_closed.is_none()
+    }
+
     /// True while the broker blocks publishing (a resource alarm).
     pub fn is_blocked(&self) -> bool {
         self.blocked || self.flow_paused
@@ -309,6 +319,9 @@ impl Wire {
     /// Cancel-safe: all state lives in `self`, so dropping the future
     /// (e.g. in `select!`) loses nothing.
     pub async fn event(&mut self) -> Result<Event, WireError> {
+        if let Some(ev) = self.pending.pop_front() {
+            return Ok(ev);
+        }
         self.channel_open()?;
         // The caller held new work back because the buffer was full: tell
         // it as soon as the buffer drains, not at the next answer.

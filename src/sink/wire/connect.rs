@@ -177,7 +177,9 @@ impl Wire {
     }
 
     /// Whether `exchange` exists: a passive declare on a channel of its
-    /// own. Only between publishes' answers: call it before publishing.
+    /// own. Mid-session too: answers to publishes read meanwhile, and the
+    /// publishing channel's own closing, are kept for [`Wire::event`] (in
+    /// the order they came), never taken for the answer.
     pub async fn exchange_exists(&mut self, exchange: &str) -> Result<bool, WireError> {
         self.open_channel(CONTROL_CHANNEL).await?;
         self.send_method(
@@ -259,6 +261,7 @@ impl Wire {
             greeted: false,
             flow_paused: false,
             answered_close: false,
+            pending: VecDeque::new(),
         }
     }
 
@@ -318,9 +321,17 @@ impl Wire {
                 AMQPFrame::Method(ch, class) if ch == channel && !is_close(&class) => {
                     return Ok(class);
                 }
+                // Answers to publishes (a passive declare mid-session) are
+                // kept for `event`; so is the publishing channel's closing
+                // (`channel_closed`, which `event` reports after them).
                 frame => {
-                    if let Some(Event::Blocked(b)) = self.on_frame(frame)? {
-                        self.blocked = b;
+                    let publishing_closes = channel != PUBLISH_CHANNEL
+                        && matches!(&frame, AMQPFrame::Method(PUBLISH_CHANNEL, c) if is_close(c));
+                    match self.on_frame(frame) {
+                        Ok(Some(ev)) => self.pending.push_back(ev),
+                        Ok(None) => {}
+                        Err(WireError::ChannelClosed { .. }) if publishing_closes => {}
+                        Err(e) => return Err(e),
                     }
                 }
             }
