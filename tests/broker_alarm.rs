@@ -392,3 +392,86 @@ async fn a_body_over_the_brokers_own_limit_is_dead_lettered_without_it() {
     relay.stop_ok();
     fx.cleanup().await;
 }
+
+/// A templated exchange looked for (a passive declare) while the broker
+/// blocks the connection: the declare went out behind publishes the broker
+/// stopped reading at, so its answer waits for the alarm to pass. It is due
+/// as a confirm is (the alarm's time does not count), and nothing waits for
+/// it: the session waits the alarm out, then everything arrives once. (Found
+/// by review, issue 26: the declare had 15 s of its own, alarm or not, and
+/// every session under a longer alarm ended on it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_looked_for_under_a_memory_alarm_waits_it_out() {
+    let _alarm = ALARM.lock().await;
+    let mut fx = Fixture::new("alarmlook").await;
+    fx.declare_bound(&fx.scoped("dlx"), Some(&fx.scoped("dlq")), "#")
+        .await;
+    let other = fx.scoped("other");
+    fx.declare_bound(&other, Some(&fx.queue), "#").await;
+    fx.set_config_extra(
+        &format!("dead_letter_exchange = \"{}\"", fx.scoped("dlx")),
+        "",
+    );
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let fixed = format!("exchange = \"{}\"", fx.exchange);
+    assert!(text.contains(&fixed), "{text}");
+    std::fs::write(
+        &fx.config,
+        text.replacen(&fixed, "exchange = \"{aggregate_type}\"", 1),
+    )
+    .unwrap();
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    let first = fx
+        .insert(&pg, &fx.exchange, "w", "e", &serde_json::json!({}))
+        .await;
+    fx.expect_delivered(std::slice::from_ref(&first), &relay)
+        .await;
+    let ids = with_alarm(async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // One transaction: 400 events to the known exchange, the 200th to
+        // one not yet looked for.
+        let rows = pg
+            .query(
+                &format!(
+                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+                     SELECT CASE WHEN i = 200 THEN $1 ELSE $2 END, 'a' || (i % 7), 'e', \
+                            jsonb_build_object('i', i) \
+                     FROM generate_series(1, 400) i RETURNING id::text",
+                    fx.table
+                ),
+                &[&other, &fx.exchange],
+            )
+            .await
+            .unwrap();
+        // Longer than the declare's old deadline.
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        rows.iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let got = fx
+        .collect_until(
+            &ids,
+            Duration::from_secs(60),
+            Duration::from_secs(2),
+            Some(&relay),
+        )
+        .await;
+    let twice: Vec<_> = count_by_id(&got)
+        .into_iter()
+        .filter(|(id, n)| *n > 1 && *id != first)
+        .collect();
+    assert!(twice.is_empty(), "sent twice: {twice:?}");
+    let log = relay.log_text();
+    assert_eq!(
+        log.matches("streaming from LSN").count(),
+        1,
+        "the alarm ended a session:\n{log}"
+    );
+    relay.stop_ok();
+    fx.delete_queue(&fx.scoped("dlq")).await;
+    fx.cleanup().await;
+}

@@ -7,13 +7,13 @@
 use std::time::Duration;
 
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection, exchange};
+use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection, exchange};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
 use super::replies::Disposition;
 use super::scripted::{Peer, broker, connect, message, next_event};
-use super::wire::{Event, Target, WireError, encode_frame};
+use super::wire::{Event, Found, Target, WireError, encode_frame};
 
 mod closes;
 mod handshake;
@@ -362,14 +362,26 @@ async fn expect_declare(p: &mut Peer) {
     );
 }
 
+/// The client's passive `exchange.declare` on the open channel 2.
+async fn expect_declare_again(p: &mut Peer) {
+    let (ch, m) = p.method().await;
+    assert_eq!(ch, 2);
+    assert!(
+        matches!(m, AMQPClass::Exchange(exchange::AMQPMethod::Declare(ref d)) if d.passive),
+        "{m:?}"
+    );
+}
+
 /// A passive declare mid-session (a templated exchange looked for before
-/// its first event): acks for earlier publishes that arrive while it waits
-/// are kept for the caller in order, a 404 on the control channel is the
-/// answer "no such exchange" and leaves the publishing channel open, and a
-/// 404 closing the publishing channel meanwhile is not that answer: the
-/// declare gets its own, and the close comes after the acks before it.
+/// its first event) is answered among the acks, in the order the broker
+/// sent them: nothing waits for it. A 404 on the control channel is the
+/// answer "no such exchange" and leaves the publishing channel open; a 403
+/// there is "forbidden"; a 404 closing the publishing channel meanwhile is
+/// not the declare's answer, which still comes once the channel is
+/// reopened; after an answer that does not close it, the control channel
+/// stays open for the next declare.
 #[tokio::test]
-async fn a_passive_declare_mid_session_keeps_the_answers_it_reads_past() {
+async fn a_passive_declare_mid_session_is_answered_among_the_acks() {
     let (t, broker) = broker("127.0.0.1", |mut p| async move {
         p.handshake(131_072).await;
         let close = |code: u16| {
@@ -386,95 +398,141 @@ async fn a_passive_declare_mid_session_keeps_the_answers_it_reads_past() {
                 multiple: false,
             }))
         };
+        let declare_ok =
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {}));
+        let expect_close_ok = |ch: u16, (got, m): (u16, AMQPClass)| {
+            assert_eq!(got, ch);
+            assert!(
+                matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
+                "{m:?}"
+            );
+        };
         p.publish().await;
         p.publish().await;
         p.send_method(1, ack(1)).await;
         expect_declare(&mut p).await;
         p.send_method(1, ack(2)).await;
         p.send_method(2, close(404)).await;
-        let (ch, m) = p.method().await;
-        assert_eq!(ch, 2);
-        assert!(
-            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
-            "{m:?}"
-        );
+        expect_close_ok(2, p.method().await);
         // Publishing goes on on channel 1.
         p.publish().await;
         p.send_method(1, ack(3)).await;
-        // The publishing channel closes while a declare waits, after an
+        // The publishing channel closes while a declare is out, after an
         // ack; then the declare's answer comes.
         p.publish().await;
         expect_declare(&mut p).await;
         p.send_method(1, ack(4)).await;
         p.send_method(1, close(404)).await;
+        expect_close_ok(1, p.method().await);
+        p.send_method(2, declare_ok.clone()).await;
+        // The publishing channel reopened (confirm mode again).
         let (ch, m) = p.method().await;
         assert_eq!(ch, 1);
         assert!(
-            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))),
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::Open(_))),
             "{m:?}"
         );
         p.send_method(
-            2,
-            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+            1,
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
         )
         .await;
-        let (ch, m) = p.method().await;
-        assert_eq!(ch, 2);
+        let (_, m) = p.method().await;
         assert!(
-            matches!(m, AMQPClass::Channel(channel::AMQPMethod::Close(_))),
+            matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::Select(_))),
             "{m:?}"
         );
         p.send_method(
-            2,
-            AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+            1,
+            AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
         )
         .await;
+        p.publish().await;
+        p.send_method(1, ack(1)).await;
+        // The control channel is still open: the next declare comes
+        // without a channel.open; a 403 refuses it.
+        expect_declare_again(&mut p).await;
+        p.send_method(
+            2,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 403,
+                reply_text: "ACCESS_REFUSED - access to exchange 'secret' in vhost 'v' refused"
+                    .into(),
+                class_id: 40,
+                method_id: 10,
+            })),
+        )
+        .await;
+        expect_close_ok(2, p.method().await);
+        // An unrequested close of the control channel is no answer.
+        expect_declare(&mut p).await;
+        p.send_method(2, declare_ok).await;
+        expect_declare_again(&mut p).await;
+        p.send_method(2, close(406)).await;
+        expect_close_ok(2, p.method().await);
     })
     .await;
     let mut w = connect(&t).await.unwrap();
+    let ack = |tag| Event::Ack {
+        tag,
+        multiple: false,
+    };
+    let found = |name: &str, found: Found| Event::Exchange {
+        name: name.into(),
+        found,
+    };
     w.publish(message("a", 10)).unwrap();
     w.publish(message("b", 10)).unwrap();
-    let exists = tokio::time::timeout(Duration::from_secs(10), w.exchange_exists("gone")).await;
-    assert!(
-        !exists.expect("declare hung").unwrap(),
+    w.look_for("gone").unwrap();
+    assert!(w.look_for("two").is_err(), "one declare at a time");
+    assert_eq!(next_event(&mut w).await.unwrap(), ack(1));
+    assert_eq!(next_event(&mut w).await.unwrap(), ack(2));
+    assert_eq!(
+        next_event(&mut w).await.unwrap(),
+        found("gone", Found::Missing),
         "404 on the control channel: none such"
     );
-    for tag in [1, 2] {
-        assert_eq!(
-            next_event(&mut w).await.unwrap(),
-            Event::Ack {
-                tag,
-                multiple: false
-            }
-        );
-    }
+    assert!(w.publishing_open());
     assert_eq!(w.publish(message("c", 10)).unwrap(), 3);
-    assert_eq!(
-        next_event(&mut w).await.unwrap(),
-        Event::Ack {
-            tag: 3,
-            multiple: false
-        }
-    );
+    assert_eq!(next_event(&mut w).await.unwrap(), ack(3));
     w.publish(message("d", 10)).unwrap();
-    let exists = tokio::time::timeout(Duration::from_secs(10), w.exchange_exists("other")).await;
-    assert!(
-        exists.expect("declare hung").unwrap(),
-        "the publishing channel's close is not the declare's answer"
-    );
-    assert!(!w.publishing_open());
-    assert_eq!(
-        next_event(&mut w).await.unwrap(),
-        Event::Ack {
-            tag: 4,
-            multiple: false
-        }
-    );
+    w.look_for("other").unwrap();
+    assert_eq!(next_event(&mut w).await.unwrap(), ack(4));
     match next_event(&mut w).await {
         Err(WireError::ChannelClosed { code: 404, .. }) => {}
         other => panic!("the publishing channel's close not reported after its ack: {other:?}"),
     }
+    assert!(!w.publishing_open());
     assert!(w.publish(message("e", 10)).is_err(), "channel 1 is closed");
+    tokio::time::timeout(Duration::from_secs(10), w.reopen_publishing())
+        .await
+        .expect("reopen hung")
+        .unwrap();
+    assert_eq!(
+        next_event(&mut w).await.unwrap(),
+        found("other", Found::Exists),
+        "the declare's answer, read while reopening, kept"
+    );
+    assert_eq!(w.publish(message("e", 10)).unwrap(), 1);
+    assert_eq!(next_event(&mut w).await.unwrap(), ack(1));
+    w.look_for("secret").unwrap();
+    match next_event(&mut w).await.unwrap() {
+        Event::Exchange {
+            name,
+            found: Found::Forbidden(text),
+        } => {
+            assert_eq!(name, "secret");
+            assert!(text.starts_with("ACCESS_REFUSED"), "{text}");
+        }
+        other => panic!("403 on the control channel is forbidden: {other:?}"),
+    }
+    w.look_for("x").unwrap();
+    assert_eq!(next_event(&mut w).await.unwrap(), found("x", Found::Exists));
+    w.look_for("y").unwrap();
+    match next_event(&mut w).await {
+        Err(WireError::Protocol(text)) => assert!(text.contains("406"), "{text}"),
+        other => panic!("a 406 on the control channel is no answer: {other:?}"),
+    }
     broker.await.unwrap();
 }
 

@@ -281,8 +281,9 @@ impl AmqpSink {
         }
     }
 
-    /// Passive declare on a channel of its own: the broker closes a channel
-    /// on which a passive declare fails. Call before publishing.
+    /// Passive declare on a channel of its own (the broker closes a channel
+    /// on which a passive declare fails), waited for. Call before
+    /// publishing; mid-session, [`AmqpSink::look_for`].
     pub async fn check_exchange(&mut self, exchange: &str) -> Result<(), SinkError> {
         if exchange.is_empty() {
             return Ok(()); // the default exchange always exists
@@ -294,6 +295,15 @@ impl AmqpSink {
             Ok(Ok(true)) => Ok(()),
             Ok(Ok(false)) => Err(SinkError::NoExchange(exchange.to_owned())),
         }
+    }
+
+    /// Queues a passive declare for `exchange` on the control channel; the
+    /// answer comes from [`AmqpSink::answer`] ([`Event::Exchange`]), among
+    /// the answers to publishes.
+    pub fn look_for(&mut self, exchange: &str) -> Result<(), SinkError> {
+        self.wire
+            .look_for(exchange)
+            .map_err(|e| self.error("checking the exchange", e))
     }
 
     /// The connection's negotiated frame_max.

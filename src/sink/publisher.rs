@@ -22,6 +22,7 @@ use super::budget::ByteBudget;
 use super::refusals::{Head, Refusals};
 use super::refused::{self, Refusal, RefusedExchanges};
 use super::replies::Disposition;
+use super::wire::{Event, Found};
 use super::{AmqpSink, SinkError, Unconfirmed};
 use crate::checkpoint::{Checkpoint, CheckpointError, Progress, Seq};
 use crate::config::RabbitmqConfig;
@@ -136,6 +137,9 @@ struct Publisher<'a> {
     /// The event waiting for its templated exchange to be looked for; no
     /// new event is taken meanwhile (their order).
     held_back: Option<(InFlight, String)>,
+    /// When the passive declare for the held-back event's exchange was
+    /// sent (its answer is due like a confirm); `None`: none is out.
+    looking_since: Option<Instant>,
     /// Events published this session.
     sent: u64,
     /// Bytes held by messages not yet confirmed (waiting, or waiting for a
@@ -288,35 +292,41 @@ impl<'a> Publisher<'a> {
         (!known).then_some(exchange)
     }
 
-    /// Looks for the held-back event's exchange (a passive declare on the
-    /// control channel; answers to earlier publishes read meanwhile are
-    /// kept), then sends the event, or its dead letter when there is no
-    /// such exchange.
-    async fn verify(&mut self, sink: &mut AmqpSink) -> Result<(), PublishError> {
+    /// Moves the held-back event on: sends it (or its dead letter) once
+    /// the broker has said whether its exchange exists, else asks (a
+    /// passive declare on the control channel, answered among the
+    /// confirms: nothing waits for it).
+    fn release(&mut self, sink: &mut AmqpSink) -> Result<(), PublishError> {
         let (f, exchange) = self.held_back.take().expect("called when held back");
-        match sink.check_exchange(&exchange).await {
-            Ok(()) => {
+        if self.verified.contains(&exchange) || self.refused.refusal(&exchange).is_some() {
+            return self.send_event(sink, f, Verify::First);
+        }
+        sink.look_for(&exchange)?;
+        self.looking_since = Some(Instant::now());
+        self.held_back = Some((f, exchange));
+        Ok(())
+    }
+
+    /// The broker's answer to the passive declare for `name`: learnt, for
+    /// [`Publisher::release`] to act on.
+    fn on_found(&mut self, name: String, found: Found) {
+        self.looking_since = None;
+        match found {
+            Found::Exists => {
                 if self.verified.len() >= refused::CAP {
                     self.verified.clear();
                 }
-                self.verified.insert(exchange.clone());
+                self.verified.insert(name);
             }
-            Err(SinkError::NoExchange(_)) => {
-                warn!(exchange = %Shown(&exchange), "the broker has no such templated exchange; its events are dead-lettered (it is looked for again in a minute)");
-                self.refused.insert(exchange.clone(), Refusal::Missing);
+            Found::Missing => {
+                warn!(exchange = %Shown(&name), "the broker has no such templated exchange; its events are dead-lettered (it is looked for again in a minute)");
+                self.refused.insert(name, Refusal::Missing);
             }
-            // Anything else (the broker silent, the connection closed) ends
-            // the session; the event was not sent.
-            Err(e) => return Err(e.into()),
+            Found::Forbidden(reply) => {
+                warn!(exchange = %Shown(&name), reply = %Shown(&reply), "the broker refuses this templated exchange; its events are dead-lettered (it is tried again in a minute)");
+                self.refused.insert(name, Refusal::Forbidden);
+            }
         }
-        // The publishing channel closed meanwhile (a refusal of an event
-        // sent before): the next answer says why, and the event waits for
-        // what follows (`route_around`).
-        if !sink.publishing_open() {
-            self.held_back = Some((f, exchange));
-            return Ok(());
-        }
-        self.send_event(sink, f, Verify::First)
     }
 
     /// The broker closed the publishing channel over `e`. When it refused
@@ -465,7 +475,7 @@ impl<'a> Publisher<'a> {
     }
 
     /// A broker answer: settle what it answers, schedule retries.
-    fn on_answer(&mut self, ev: super::wire::Event) -> Result<(), PublishError> {
+    fn on_answer(&mut self, ev: Event) -> Result<(), PublishError> {
         let mut settled = std::mem::take(&mut self.settled);
         self.unconfirmed.apply(
             ev,
@@ -567,6 +577,7 @@ pub async fn run(
         refused: std::mem::take(&mut *refusals.missing.lock().expect("not poisoned")),
         verified: HashSet::new(),
         held_back: None,
+        looking_since: None,
         sent: 0,
         held: 0,
         budget,
@@ -647,8 +658,16 @@ pub async fn run(
                 // stream of answers (the confirm deadline, the gauges).
                 _ = gauges.tick() => {
                     p.update_gauges(items.len());
-                    let oldest = p.unconfirmed.oldest().map(|f| f.published_at);
+                    // A passive declare's answer is due as a confirm is.
+                    let confirm = p.unconfirmed.oldest().map(|f| f.published_at);
+                    let oldest = match (confirm, p.looking_since) {
+                        (Some(c), Some(l)) => Some(c.min(l)),
+                        (c, l) => c.or(l),
+                    };
                     if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
+                        if oldest == p.looking_since {
+                            return Err(SinkError::Timeout("checking a templated exchange").into());
+                        }
                         return Err(SinkError::ConfirmTimeout {
                             in_flight: p.unconfirmed.len() as u64,
                             secs: cfg.confirm_timeout.as_secs(),
@@ -657,14 +676,16 @@ pub async fn run(
                     }
                 }
                 ev = sink.answer() => match ev {
+                    Ok(Event::Exchange { name, found }) => p.on_found(name, found),
                     Ok(ev) => p.on_answer(ev)?,
                     Err(e) => p.route_around(sink, e).await?,
                 },
-                // An event waits for its exchange to be looked for. (Not
-                // while blocked: the broker reads nothing from a blocked
-                // connection, so the answer would not come.)
-                () = std::future::ready(()), if p.held_back.is_some() && !blocked => {
-                    p.verify(sink).await?;
+                // An event waits for its exchange to be looked for, or has
+                // its answer. (Not while blocked: the broker reads nothing
+                // from a blocked connection. Not while the publishing
+                // channel is closed: its reopening comes first.)
+                () = std::future::ready(()), if p.held_back.is_some() && p.looking_since.is_none() && !blocked && sink.publishing_open() => {
+                    p.release(sink)?;
                 }
                 Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked && !sink.wants_flush() => {
                     let env = f.envelope()?;

@@ -94,7 +94,7 @@ impl<T> Unconfirmed<T> {
             source: WireError::Protocol(what),
         };
         match ev {
-            Event::Blocked(_) | Event::Drained => Ok(()),
+            Event::Blocked(_) | Event::Drained | Event::Exchange { .. } => Ok(()),
             Event::Returned(ret) => {
                 // A return carries no delivery tag: its message is known by
                 // message_id (and, among copies, by destination). Ids are

@@ -182,6 +182,25 @@ pub enum Event {
     /// The write buffer, full when the wait began, has drained: there is
     /// room for more publishes.
     Drained,
+    /// The answer to [`Wire::look_for`]: whether exchange `name` exists.
+    Exchange {
+        /// The exchange looked for.
+        name: String,
+        /// What the broker said.
+        found: Found,
+    },
+}
+
+/// What a passive `exchange.declare` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    /// `exchange.declare-ok`.
+    Exists,
+    /// 404 NOT_FOUND (the control channel closed).
+    Missing,
+    /// 403 ACCESS_REFUSED, with the broker's text (the control channel
+    /// closed).
+    Forbidden(String),
 }
 
 /// A `basic.return` whose content has not all arrived.
@@ -231,9 +250,14 @@ pub struct Wire {
     flow_paused: bool,
     /// The broker closed the connection and close-ok is queued.
     answered_close: bool,
-    /// Answers to publishes read while waiting for a reply on the control
-    /// channel, handed out first by [`Wire::event`].
+    /// Answers read while waiting for a reply on another channel (the
+    /// publishing channel reopened while a passive declare is out, or a
+    /// declare's own wait), handed out first by [`Wire::event`].
     pending: VecDeque<Event>,
+    /// The control channel is open (or its `channel.open` is sent).
+    control_open: bool,
+    /// The exchange a passive declare on the control channel is out for.
+    looking_for: Option<String>,
 }
 
 impl fmt::Debug for Wire {
@@ -304,8 +328,43 @@ impl Wire {
         self.wbuf.len() - self.written >= WRITE_HIGH_WATER
     }
 
+    /// Queues a passive `exchange.declare` for `exchange` on the control
+    /// channel (opened first if it is not): the answer comes as an
+    /// [`Event::Exchange`] from [`Wire::event`], among the answers to
+    /// publishes, so nothing waits for it. One at a time. The channel
+    /// stays open after an answer that does not close it.
+    pub fn look_for(&mut self, exchange: &str) -> Result<(), WireError> {
+        if self.looking_for.is_some() {
+            return Err(WireError::Protocol(
+                "a passive exchange.declare is already out".into(),
+            ));
+        }
+        if !self.control_open {
+            self.send_method(
+                CONTROL_CHANNEL,
+                AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+            )?;
+            self.control_open = true;
+        }
+        self.send_method(
+            CONTROL_CHANNEL,
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                exchange: exchange.into(),
+                kind: "topic".into(),
+                passive: true,
+                durable: false,
+                auto_delete: false,
+                internal: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+        )?;
+        self.looking_for = Some(exchange.to_owned());
+        Ok(())
+    }
+
     /// Whether the publishing channel is open (a close the broker sent
-    /// while a passive declare waited is reported by [`Wire::event`]).
+    /// while another channel was waited on is reported by [`Wire::event`]).
     pub fn publishing_open(&self) -> bool {
         self.channel_closed.is_none()
     }
@@ -371,6 +430,7 @@ impl Wire {
     fn on_frame(&mut self, frame: AMQPFrame) -> Result<Option<Event>, WireError> {
         match frame {
             AMQPFrame::Heartbeat | AMQPFrame::InvalidHeartbeat(_) => Ok(None),
+            AMQPFrame::Method(CONTROL_CHANNEL, class) => self.on_control(class),
             AMQPFrame::Method(_, AMQPClass::Connection(connection::AMQPMethod::Close(c))) => {
                 let _ = self.send_method(
                     0,
@@ -476,6 +536,51 @@ impl Wire {
                 self.returned_if_complete()
             }
             other => Err(self.fail(WireError::Protocol(format!("unexpected frame {other:?}")))),
+        }
+    }
+
+    /// A method on the control channel: the answers to `look_for`.
+    fn on_control(&mut self, class: AMQPClass) -> Result<Option<Event>, WireError> {
+        match class {
+            AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)) if self.control_open => Ok(None),
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_))
+                if self.looking_for.is_some() =>
+            {
+                let name = self.looking_for.take().expect("checked");
+                Ok(Some(Event::Exchange {
+                    name,
+                    found: Found::Exists,
+                }))
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
+                let _ = self.send_method(
+                    CONTROL_CHANNEL,
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                );
+                self.try_write_now();
+                self.control_open = false;
+                let found = match (c.reply_code, self.looking_for.take()) {
+                    (404, Some(name)) => (name, Found::Missing),
+                    (403, Some(name)) => (name, Found::Forbidden(c.reply_text.to_string())),
+                    // Not an answer to a passive declare: nothing this
+                    // client asked for, so nothing it can go on with (a
+                    // new session; no event is to blame).
+                    (code, _) => {
+                        return Err(self.fail(WireError::Protocol(format!(
+                            "the broker closed the control channel ({code}: {})",
+                            c.reply_text
+                        ))));
+                    }
+                };
+                Ok(Some(Event::Exchange {
+                    name: found.0,
+                    found: found.1,
+                }))
+            }
+            other => Err(self.fail(unexpected(
+                "an answer to a passive exchange.declare",
+                &other,
+            ))),
         }
     }
 

@@ -176,43 +176,25 @@ impl Wire {
         }
     }
 
-    /// Whether `exchange` exists: a passive declare on a channel of its
-    /// own. Mid-session too: answers to publishes read meanwhile, and the
-    /// publishing channel's own closing, are kept for [`Wire::event`] (in
-    /// the order they came), never taken for the answer.
+    /// Whether `exchange` exists: [`Wire::look_for`], waited for. Before
+    /// publishing (answers to publishes read meanwhile would be kept for
+    /// [`Wire::event`], in order, but the publishing channel's closing
+    /// ends the wait).
     pub async fn exchange_exists(&mut self, exchange: &str) -> Result<bool, WireError> {
-        self.open_channel(CONTROL_CHANNEL).await?;
-        self.send_method(
-            CONTROL_CHANNEL,
-            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-                exchange: exchange.into(),
-                kind: "topic".into(),
-                passive: true,
-                durable: false,
-                auto_delete: false,
-                internal: false,
-                nowait: false,
-                arguments: FieldTable::default(),
-            })),
-        )?;
-        match self.method(CONTROL_CHANNEL).await {
-            Ok(AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_))) => {}
-            Ok(other) => return Err(unexpected("exchange.declare-ok", &other)),
-            Err(WireError::ChannelClosed { code: 404, .. }) => return Ok(false),
-            Err(e) => return Err(e),
-        }
-        self.send_method(
-            CONTROL_CHANNEL,
-            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-                reply_code: 200,
-                reply_text: "ok".into(),
-                class_id: 0,
-                method_id: 0,
-            })),
-        )?;
-        match self.method(CONTROL_CHANNEL).await? {
-            AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => Ok(true),
-            other => Err(unexpected("channel.close-ok", &other)),
+        self.look_for(exchange)?;
+        loop {
+            let frame = self.frame().await?;
+            match self.on_frame(frame)? {
+                Some(Event::Exchange { found, .. }) => {
+                    return match found {
+                        Found::Exists => Ok(true),
+                        Found::Missing => Ok(false),
+                        Found::Forbidden(text) => Err(WireError::ChannelClosed { code: 403, text }),
+                    };
+                }
+                Some(ev) => self.pending.push_back(ev),
+                None => {}
+            }
         }
     }
 
@@ -262,6 +244,8 @@ impl Wire {
             flow_paused: false,
             answered_close: false,
             pending: VecDeque::new(),
+            control_open: false,
+            looking_for: None,
         }
     }
 
@@ -321,17 +305,12 @@ impl Wire {
                 AMQPFrame::Method(ch, class) if ch == channel && !is_close(&class) => {
                     return Ok(class);
                 }
-                // Answers to publishes (a passive declare mid-session) are
-                // kept for `event`; so is the publishing channel's closing
-                // (`channel_closed`, which `event` reports after them).
+                // Answers read meanwhile (to publishes, or to a passive
+                // declare, while the publishing channel is reopened) are
+                // kept for `event`.
                 frame => {
-                    let publishing_closes = channel != PUBLISH_CHANNEL
-                        && matches!(&frame, AMQPFrame::Method(PUBLISH_CHANNEL, c) if is_close(c));
-                    match self.on_frame(frame) {
-                        Ok(Some(ev)) => self.pending.push_back(ev),
-                        Ok(None) => {}
-                        Err(WireError::ChannelClosed { .. }) if publishing_closes => {}
-                        Err(e) => return Err(e),
+                    if let Some(ev) = self.on_frame(frame)? {
+                        self.pending.push_back(ev);
                     }
                 }
             }
