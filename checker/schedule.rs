@@ -52,7 +52,8 @@ pub struct Setup {
     /// `wal_sender_timeout` of the relay's role, in seconds.
     pub wal_sender_timeout: u32,
     /// The exchange is `chk_{aggregate_type}`-like template (hostile rows
-    /// may then name missing or forbidden exchanges).
+    /// may then name a missing exchange, or the default one; not yet one
+    /// the broker refuses with 403).
     pub templated: bool,
     /// `rabbitmq.shutdown_grace_secs`.
     pub grace: u32,

@@ -47,7 +47,7 @@ use crate::tls::TlsFailure;
 mod broker;
 mod outbox;
 mod postgres;
-use broker::{broker_connect, exchanges};
+use broker::{broker_connect, broker_in_the_clear, exchanges};
 use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
     checkpoint_table, pg_error_text, postgres_connect, replication_slot, role, server_identity,
@@ -246,6 +246,7 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
     for url in &cfg.rabbitmq.urls {
         let (line, c) = broker_connect(cfg, url.expose()).await;
         node_lines.push(line);
+        node_lines.extend(broker_in_the_clear(url.expose()));
         match (c, &conn) {
             (Some(c), None) => conn = Some(c),
             (Some(c), Some(_)) => {

@@ -201,7 +201,7 @@ async fn restarts_replay_nothing_already_confirmed() {
             .await,
         );
         sent.extend(batch);
-        // The checkpoint table (written each second) and the slot (each
+        // The checkpoint table (written every 200 ms) and the slot (each
         // status interval) have the position.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         match round {

@@ -644,8 +644,8 @@ async fn a_missing_templated_exchange_closes_no_channel_and_sends_nothing_twice(
 }
 
 /// A templated exchange that renders to a name the broker does not have:
-/// the broker closes the channel (404), the session ends, and the next one
-/// dead-letters the events bound for that exchange while the others flow.
+/// the passive declare before its first event finds none (404), its events
+/// are dead-lettered saying so, and the others flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_templated_exchange_that_does_not_exist_is_dead_lettered() {
     let mut fx = Fixture::new("noexchange").await;

@@ -31,6 +31,29 @@ pub(super) fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> 
     }
 }
 
+/// A warning when `url` is plain `amqp://` to a host other than this
+/// machine: AMQP logs in with SASL PLAIN, so the password crosses the
+/// network as it is, and every event with it.
+pub(super) fn broker_in_the_clear(url: &str) -> Option<Line> {
+    let uri = crate::sink::parse_amqp_url(url).ok()?;
+    if uri.scheme != lapin::uri::AMQPScheme::AMQP {
+        return None;
+    }
+    let host = uri.authority.host.as_str();
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let local = host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    (!local).then(|| {
+        Line::warn(
+            format!("rabbitmq.url {}", shown_url(url)),
+            "plain AMQP: the broker password (SASL PLAIN) and every event cross the network \
+             in the clear; use amqps:// (with rabbitmq.ca_file for a private CA)",
+        )
+    })
+}
+
 pub(super) async fn broker_connect(cfg: &Config, url: &str) -> (Line, Option<Connection>) {
     let what = format!("RabbitMQ reachable at {}", shown_url(url));
     let uri = match crate::sink::parse_amqp_url(url) {
@@ -241,5 +264,28 @@ pub(super) async fn exchange(conn: &Connection, name: &str, role: &str, key: &st
                 CHECK_TIMEOUT.as_secs()
             ),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_amqp_off_this_machine_is_a_warning_that_shows_no_password() {
+        let line = broker_in_the_clear("amqp://relay:s3cret@mq.internal:5672/v").unwrap();
+        assert_eq!(line.level, Level::Warn);
+        let text = line.to_string();
+        assert!(text.contains("in the clear"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        for quiet in [
+            "amqps://relay:s3cret@mq.internal:5671/v",
+            "amqp://relay:s3cret@127.0.0.1:5672/v",
+            "amqp://relay:s3cret@[::1]:5672/v",
+            "amqp://relay:s3cret@localhost:5672/v",
+            "not a url",
+        ] {
+            assert!(broker_in_the_clear(quiet).is_none(), "{quiet}");
+        }
     }
 }
