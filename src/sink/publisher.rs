@@ -287,9 +287,15 @@ impl<'a> Publisher<'a> {
             return None;
         }
         let exchange = m.exchange.parts().concat();
-        let known =
-            self.verified.contains(&exchange) || self.cfg.fixed_exchanges.contains(&exchange);
-        (!known).then_some(exchange)
+        (!self.answered(&exchange)).then_some(exchange)
+    }
+
+    /// Whether the broker has said this session what `exchange` is (it
+    /// exists, or it refused it), or the config names it.
+    fn answered(&self, exchange: &str) -> bool {
+        self.verified.contains(exchange)
+            || self.cfg.fixed_exchanges.iter().any(|x| x == exchange)
+            || self.refused.refusal(exchange).is_some()
     }
 
     /// Moves the held-back event on: sends it (or its dead letter) once
@@ -298,7 +304,7 @@ impl<'a> Publisher<'a> {
     /// confirms: nothing waits for it).
     fn release(&mut self, sink: &mut AmqpSink) -> Result<(), PublishError> {
         let (f, exchange) = self.held_back.take().expect("called when held back");
-        if self.verified.contains(&exchange) || self.refused.refusal(&exchange).is_some() {
+        if self.answered(&exchange) {
             return self.send_event(sink, f, Verify::First);
         }
         sink.look_for(&exchange)?;
