@@ -5,10 +5,11 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use lapin::types::AMQPValue;
+use outbox_relay::lsn::Lsn;
 
 async fn recv_one(
     rx: &mut tokio::sync::mpsc::UnboundedReceiver<Received>,
@@ -391,6 +392,24 @@ async fn row_headers_route_nothing_unless_the_outbox_opts_in() {
         "the drop is not logged:\n{}",
         relay.log_tail()
     );
+    // The first row must not be replayed under the second configuration
+    // (which would copy it): the slot passes it before the relay stops.
+    let past: String = pg
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let past: Lsn = past.parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while fx.confirmed_flush_lsn(&pg).await < past {
+        assert!(
+            Instant::now() < deadline,
+            "the slot did not pass the first row; log:\n{}",
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let first_log = relay.log_tail();
     relay.stop_ok();
 
     routing_headers_on(&fx);
@@ -400,7 +419,12 @@ async fn row_headers_route_nothing_unless_the_outbox_opts_in() {
     // The queue gets copies in publish order: the first it gets is the
     // second row's, so the first row's was never sent.
     let copy = recv_one(&mut copies, "CC copy", &relay).await;
-    assert_eq!(copy.message_id(), on, "the first row copied itself");
+    assert_eq!(
+        copy.message_id(),
+        on,
+        "the first row copied itself (first row {off}); first relay:\n{first_log}\nsecond relay:\n{}",
+        relay.log_tail()
+    );
     assert!(copy.header("x-outbox-error").is_none());
     relay.stop_ok();
     fx.delete_queue(&victim).await;
