@@ -161,16 +161,101 @@ async fn an_outbox_swapped_by_rename_stops_the_relay() {
     replaced_outbox_stops_the_relay(f, &rename, "now names another table").await;
 }
 
+/// `sql/outbox.sql`, creating the fixture's outbox table.
+fn outbox_ddl(f: &Fixture) -> String {
+    std::fs::read_to_string(repo_path("sql/outbox.sql"))
+        .unwrap()
+        .replace("CREATE TABLE outbox", &format!("CREATE TABLE {}", f.table))
+}
+
+/// The time in the `republish --since` a stop names.
+fn republish_since(log: &str) -> String {
+    log.split("republish --since ")
+        .nth(1)
+        .and_then(|s| s.split(['`', ' ', '\n']).next())
+        .expect("a time to republish from")
+        .to_owned()
+}
+
+/// A transaction that wrote to the re-created outbox before `setup` added
+/// it to the publication, and commits after, is never streamed: PostgreSQL
+/// decodes a change with the catalog as it was when the change was written.
+/// The remedy's `republish` must send it, though it started while the
+/// transaction was open: it waits for the transactions in flight to end
+/// before it reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_open_across_the_remedy_is_republished() {
+    let mut f = Fixture::new("openremedy").await;
+    let (pg, mut relay) = f.streaming().await;
+    let drop = format!("DROP TABLE {}", f.table);
+    pg.batch_execute(&format!("{drop}; {}", outbox_ddl(&f)))
+        .await
+        .unwrap();
+    let before = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    let other = f.scoped("other");
+    pg.batch_execute(&format!(
+        "CREATE TABLE {other} (i int); INSERT INTO {other} SELECT generate_series(1, 10000)"
+    ))
+    .await
+    .unwrap();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success() && log.contains("was dropped"), "{log}");
+    let since = republish_since(&log);
+
+    // Open across `setup` and the start of `republish`.
+    let open_tx = pg_connect_retry_to(&f.pg_url).await;
+    open_tx.batch_execute("BEGIN").await.unwrap();
+    let open: String = open_tx
+        .query_one(
+            &f.insert_sql(),
+            &[&"order", &"o-2", &"placed", &json!({}).to_string()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    f.relay_ok("setup", &[]);
+    let mut republish = f
+        .relay_cmd("republish")
+        .args(["--since", &since])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    open_tx.batch_execute("COMMIT").await.unwrap();
+    let status = wait_timeout(&mut republish, Duration::from_secs(60)).expect("republish ended");
+    let out = republish.wait_with_output().unwrap();
+    assert!(
+        status.success(),
+        "republish: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let relay = f.spawn_relay();
+    f.expect_delivered(&[before, open], &relay).await;
+    assert!(
+        relay
+            .wait_log("streaming from LSN", Duration::from_secs(30))
+            .await,
+        "{}",
+        relay.log_tail()
+    );
+    relay.stop_ok();
+    pg.batch_execute(&format!("DROP TABLE {other}"))
+        .await
+        .unwrap();
+    f.cleanup().await;
+}
+
 /// Streams, runs `away` (the outbox table goes) and creates the outbox
 /// again from `sql/outbox.sql`, writes 30 rows: the relay stops saying
 /// `said`, the slot stays before the rows, and the remedy it names sends
 /// them.
 async fn replaced_outbox_stops_the_relay(mut f: Fixture, away: &str, said: &str) {
     let (pg, mut relay) = f.streaming().await;
-    let ddl = std::fs::read_to_string(repo_path("sql/outbox.sql"))
-        .unwrap()
-        .replace("CREATE TABLE outbox", &format!("CREATE TABLE {}", f.table));
-    pg.batch_execute(&format!("{away}; {ddl}")).await.unwrap();
+    pg.batch_execute(&format!("{away}; {}", outbox_ddl(&f)))
+        .await
+        .unwrap();
     let recreated = wal_insert_lsn(&pg).await;
     let mut ids = Vec::new();
     for i in 0..30 {
@@ -197,12 +282,7 @@ async fn replaced_outbox_stops_the_relay(mut f: Fixture, away: &str, said: &str)
         confirmed <= recreated,
         "the slot moved past the new table's rows: {confirmed} > {recreated}"
     );
-    let since = log
-        .split("republish --since ")
-        .nth(1)
-        .and_then(|s| s.split(['`', ' ', '\n']).next())
-        .expect("a time to republish from")
-        .to_owned();
+    let since = republish_since(&log);
 
     // The next start refuses while the publication does not hold it.
     let mut relay = f.spawn_relay();

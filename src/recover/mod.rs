@@ -23,6 +23,7 @@
 //! transaction the relay has seen (see [`crate::source::longest_tx`]) plus
 //! its sampling interval.
 
+mod in_flight;
 pub mod prune;
 pub mod publish;
 pub mod rows;
@@ -431,6 +432,7 @@ pub async fn republish(
 ) -> Result<(i64, Published), RelayError> {
     let tables = rows::tables(cfg, table)?;
     let mut client = connect_sql(&cfg.postgres).await?;
+    in_flight::wait_for_open_transactions(&client, &cfg.postgres, stop).await?;
     let selected = rows::count(&client, cfg, sel, &tables).await?;
     let mut rows = rows::Rows::open(&mut client, cfg, sel, &tables).await?;
     let refusals = Refusals::default();
