@@ -171,6 +171,28 @@ async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
     fx.cleanup().await;
 }
 
+/// An idle server has no open transaction: the relay does not take its
+/// unchanging snapshot horizon (no id handed out meanwhile) for a
+/// transaction that stays open, which would widen every later recovery's
+/// window by the whole idle time. (Other tests writing meanwhile can only
+/// hide the fault, never fake it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_server_is_not_measured_as_a_long_transaction() {
+    let _serial = SERIAL.lock().await;
+    let mut fx = Fixture::new("recover_idle").await;
+    let (pg, relay) = fx.streaming().await;
+    // Idle across two of the relay's samples (every 5 s): the second saw
+    // the same horizon 5 s after the first.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let recorded: Option<f64> = fx.checkpoint_column(&pg, "longest_tx_secs").await;
+    relay.stop_ok();
+    assert!(
+        recorded.unwrap_or(0.0) < 4.0,
+        "an idle server measured as a transaction open {recorded:?} s"
+    );
+    fx.cleanup().await;
+}
+
 /// An undeliverable row (unroutable, no dead-letter exchange) stops
 /// `recover` half way, after its slot was made; the rows before it are not
 /// sent again, and `run` finishes the recovery before it streams.

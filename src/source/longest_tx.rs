@@ -10,8 +10,8 @@
 //! - `pg_stat_activity.xact_start` of every session it may see (all of
 //!   them with `pg_read_all_stats`, else its own role's);
 //! - the age of the oldest running transaction id (`pg_current_snapshot()`'s
-//!   xmin): the same xmin seen again means that transaction is still open
-//!   since it was first seen.
+//!   xmin, when a transaction is open: below its xmax): the same xmin seen
+//!   again means that transaction is still open since it was first seen.
 //!
 //! A transaction shorter than the sampling interval may go unseen; the
 //! window adds the interval to what was seen.
@@ -21,9 +21,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::Client;
 
-/// One query for both sources.
+/// One query for both sources. With no transaction open, the snapshot's
+/// xmin is its xmax (the next id to be handed out) and names none: NULL,
+/// or an idle server would count as one long transaction.
 pub const SAMPLE_SQL: &str = "SELECT coalesce(extract(epoch FROM now() - min(xact_start))::float8, 0), \
-     (SELECT pg_snapshot_xmin(pg_current_snapshot())::text) \
+     (SELECT nullif(pg_snapshot_xmin(s)::text, pg_snapshot_xmax(s)::text) \
+        FROM pg_current_snapshot() s) \
      FROM pg_stat_activity WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid() \
      AND backend_type = 'client backend'";
 
