@@ -19,7 +19,9 @@
 //!
 //! Size of a drawn run: `CHECK_PRODUCERS` (3), `CHECK_TXS` (30 per
 //! producer), `CHECK_FAULTS` (6). `CHECK_RELAY_BIN` runs another build of
-//! the relay (a defect put back on a scratch branch).
+//! the relay (a defect put back on a scratch branch). `CHECK_KEEP=1` keeps
+//! each run's relay logs in `target/checker/run-<seed>-<prefix>/`, passed
+//! or not (a failed run's are always kept).
 
 #[path = "../tests/common/mod.rs"]
 mod common;

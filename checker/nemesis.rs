@@ -111,8 +111,13 @@ pub async fn supervise(
                 let mut all = vec![format!("relay exited {status}: {said}")];
                 let mut failed = None;
                 for a in args {
+                    let began = std::time::Instant::now();
                     let out = run_cmd(w, a).await;
-                    let line = format!("operator: outbox-relay {} -> {out}", a.join(" "));
+                    let line = format!(
+                        "operator: outbox-relay {} -> {out} ({:.1} s)",
+                        a.join(" "),
+                        began.elapsed().as_secs_f64()
+                    );
                     if out != "ok" {
                         failed = Some(line.clone());
                     }

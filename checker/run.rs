@@ -127,13 +127,23 @@ async fn run(s: &Schedule) -> Report {
                 }
             }
         }));
+    // The supervisor watches until the producers are done too (they end
+    // after the faults): a relay that stops meanwhile gets its remedy then,
+    // not only at the drain, when every transaction has ended (which would
+    // hide a remedy that misses one still open).
+    let producers_done = Arc::new(AtomicBool::new(false));
+    let producers = async {
+        let r = producers.await;
+        producers_done.store(true, std::sync::atomic::Ordering::SeqCst);
+        r
+    };
     let (fault_failures, produced, ()) = tokio::join!(
         nemesis,
         producers,
         async {
             supervise(&w, &sup, &done).await;
         }
-        .with_cancel_on(&done, faults_done.clone())
+        .with_cancel_on(&done, producers_done.clone())
     );
     report.failures.extend(fault_failures);
     let produced: Vec<Produced> = produced.into_iter().flatten().collect();
@@ -256,8 +266,8 @@ async fn run(s: &Schedule) -> Report {
         &["ctl", "set_vm_memory_high_watermark", "0.4"],
     )
     .await;
-    if report.failed() {
-        // The relay's logs and config, for the failure.
+    if report.failed() || std::env::var_os("CHECK_KEEP").is_some() {
+        // The relay's logs and config, for the failure (or when asked).
         let kept = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("target/checker/run-{}-{}", s.seed, w.p));
         let _ = std::fs::create_dir_all(&kept);
@@ -410,7 +420,7 @@ trait WithCancel: Sized {
 }
 
 impl<F: Future<Output = ()>> WithCancel for F {
-    /// Runs `self` until `flag` is set (the faults are over), then cancels
+    /// Runs `self` until `flag` is set (the producers are done), then cancels
     /// `done` so that it ends.
     fn with_cancel_on(
         self,

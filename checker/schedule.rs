@@ -81,6 +81,12 @@ pub enum Tx {
         commit: bool,
         delay: u32,
     },
+    /// `events` events, then the transaction stays open `delay` ms before
+    /// it commits (across a fault, or an operator's remedy).
+    Slow {
+        events: u32,
+        delay: u32,
+    },
     /// One transaction of `n` events written by one statement.
     Big(u32),
     /// `n` rows into an unpublished table, then one outbox event.
@@ -242,7 +248,11 @@ impl Schedule {
 fn tx(r: &mut Rng, setup: &Setup) -> Tx {
     let small = |r: &mut Rng| r.range(1, 6) as u32;
     match r.below(100) {
-        0..=44 => Tx::Commit(small(r)),
+        0..=41 => Tx::Commit(small(r)),
+        42..=44 => Tx::Slow {
+            events: small(r),
+            delay: r.range(500, 8000) as u32,
+        },
         45..=54 => Tx::Rollback(small(r)),
         55..=60 => Tx::SavepointRollback(small(r), small(r)),
         61..=66 => Tx::SavepointRelease(small(r), small(r)),
@@ -335,7 +345,7 @@ impl Tx {
             Tx::SavepointRollback(n, m) | Tx::SavepointRelease(n, m) | Tx::Exception(n, m) => {
                 2 * n + m
             }
-            Tx::Prepared { events, .. } => events,
+            Tx::Prepared { events, .. } | Tx::Slow { events, .. } => events,
             Tx::Unpublished(_) | Tx::Hostile(_) => 1,
         }
     }
@@ -385,6 +395,7 @@ impl fmt::Display for Tx {
                 "prepared {events} {} {delay}",
                 if *commit { "commit" } else { "rollback" }
             ),
+            Tx::Slow { events, delay } => write!(f, "slow {events} {delay}"),
             Tx::Big(n) => write!(f, "big {n}"),
             Tx::Unpublished(n) => write!(f, "unpublished {n}"),
             Tx::Hostile(h) => write!(f, "hostile {}", h.name()),
@@ -513,6 +524,10 @@ fn parse_tx(w: &[&str]) -> Option<Tx> {
             events: n(1)?,
             commit: *w.get(2)? == "commit",
             delay: n(3)?,
+        },
+        "slow" => Tx::Slow {
+            events: n(1)?,
+            delay: n(2)?,
         },
         "big" => Tx::Big(n(1)?),
         "unpublished" => Tx::Unpublished(n(1)?),

@@ -216,6 +216,13 @@ impl<'a> Producer<'a> {
                 pg.batch_execute(&format!("BEGIN;\n{sql}COMMIT")).await?;
                 Ok(Some(ids))
             }
+            Tx::Slow { events, delay } => {
+                let (sql, ids) = self.events(events);
+                pg.batch_execute(&format!("BEGIN;\n{sql}")).await?;
+                tokio::time::sleep(Duration::from_millis(u64::from(delay))).await;
+                pg.batch_execute("COMMIT").await?;
+                Ok(Some(ids))
+            }
             Tx::Rollback(n) => {
                 let (sql, _) = self.events(n);
                 pg.batch_execute(&format!("BEGIN;\n{sql}ROLLBACK")).await?;
