@@ -175,9 +175,11 @@ async fn a_long_transaction_committed_after_the_checkpoint_is_recovered() {
 /// unchanging snapshot horizon (no id handed out meanwhile) for a
 /// transaction that stays open, which would widen every later recovery's
 /// window by the whole idle time. (Other tests writing meanwhile can only
-/// hide the fault, never fake it.)
+/// hide the fault, never fake it.) A transaction that is open, though no
+/// session's `xact_start` shows it (prepared) and no snapshot lists it (the
+/// newest), is measured.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_server_is_not_measured_as_a_long_transaction() {
+async fn an_idle_server_is_no_long_transaction_a_prepared_one_is() {
     let _serial = SERIAL.lock().await;
     let mut fx = Fixture::new("recover_idle").await;
     let (pg, relay) = fx.streaming().await;
@@ -185,10 +187,29 @@ async fn an_idle_server_is_not_measured_as_a_long_transaction() {
     // the same horizon 5 s after the first.
     tokio::time::sleep(Duration::from_secs(12)).await;
     let recorded: Option<f64> = fx.checkpoint_column(&pg, "longest_tx_secs").await;
-    relay.stop_ok();
     assert!(
         recorded.unwrap_or(0.0) < 4.0,
         "an idle server measured as a transaction open {recorded:?} s"
+    );
+    // A prepared transaction (in no session's xact_start), the newest and
+    // only one open (in no snapshot's list of running ones), is measured.
+    let gid = fx.scoped("idle_gid");
+    pg.batch_execute(&format!(
+        "BEGIN; INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('r', 'p', 'e', '{{}}'); PREPARE TRANSACTION '{gid}'",
+        fx.table
+    ))
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let recorded: Option<f64> = fx.checkpoint_column(&pg, "longest_tx_secs").await;
+    pg.batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+        .await
+        .unwrap();
+    relay.stop_ok();
+    assert!(
+        recorded.is_some_and(|s| s >= 4.0),
+        "a prepared transaction open 12 s measured as {recorded:?} s"
     );
     fx.cleanup().await;
 }

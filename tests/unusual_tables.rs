@@ -181,8 +181,8 @@ fn republish_since(log: &str) -> String {
 /// it to the publication, and commits after, is never streamed: PostgreSQL
 /// decodes a change with the catalog as it was when the change was written.
 /// The remedy's `republish` must send it, though it started while the
-/// transaction was open: it waits for the transactions in flight to end
-/// before it reads.
+/// transaction was open: it waits for the transactions writing to the
+/// outbox (a prepared one too) to end before it reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_open_across_the_remedy_is_republished() {
     let mut f = Fixture::new("openremedy").await;
@@ -213,6 +213,21 @@ async fn a_transaction_open_across_the_remedy_is_republished() {
         .await
         .unwrap()
         .get(0);
+    // And a prepared one (no session holds it; its locks stay).
+    let prep = pg_connect_retry_to(&f.pg_url).await;
+    prep.batch_execute("BEGIN").await.unwrap();
+    let prepared: String = prep
+        .query_one(
+            &f.insert_sql(),
+            &[&"order", &"o-3", &"placed", &json!({}).to_string()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let gid = f.scoped("remedy_gid");
+    prep.batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .await
+        .unwrap();
     f.relay_ok("setup", &[]);
     let mut republish = f
         .relay_cmd("republish")
@@ -223,6 +238,9 @@ async fn a_transaction_open_across_the_remedy_is_republished() {
         .unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
     open_tx.batch_execute("COMMIT").await.unwrap();
+    prep.batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+        .await
+        .unwrap();
     let status = wait_timeout(&mut republish, Duration::from_secs(60)).expect("republish ended");
     let out = republish.wait_with_output().unwrap();
     assert!(
@@ -232,7 +250,7 @@ async fn a_transaction_open_across_the_remedy_is_republished() {
     );
 
     let relay = f.spawn_relay();
-    f.expect_delivered(&[before, open], &relay).await;
+    f.expect_delivered(&[before, open, prepared], &relay).await;
     assert!(
         relay
             .wait_log("streaming from LSN", Duration::from_secs(30))

@@ -1,5 +1,5 @@
-//! Waiting out the transactions in flight before re-publishing from the
-//! table.
+//! Waiting out the transactions writing to the outbox tables before
+//! re-publishing from them.
 //!
 //! PostgreSQL decodes each change with the catalog as it was when the change
 //! was written. A transaction that wrote outbox rows while the publication
@@ -7,8 +7,15 @@
 //! even if it commits after `setup` added the table. `republish` is the
 //! remedy for those rows, so it must see them: a snapshot taken while such a
 //! transaction is still open would not, and once it commits nothing would
-//! send them. So `republish` first waits until every transaction that was
-//! open when it started has ended (prepared ones included), then reads.
+//! send them. So `republish` first waits until every transaction that held
+//! a write lock on an outbox table (or one of its partitions) when it
+//! started has ended, prepared ones included; then it reads. Transactions
+//! that write later, or elsewhere, are not waited for: what they write to
+//! the outbox after `setup` is streamed.
+//!
+//! (A transaction id horizon would not do: a snapshot's `xmax` is one past
+//! the newest *completed* transaction, and an open transaction at or above
+//! it appears in no snapshot's list.)
 
 use std::time::Duration;
 
@@ -21,96 +28,92 @@ use crate::config::PostgresConfig;
 use crate::error::RelayError;
 use crate::source::sql_err;
 
-/// How often the oldest open transaction is looked at.
+/// How often the writers are looked at.
 const POLL: Duration = Duration::from_millis(100);
 /// How often a wait that goes on is said in the log.
 const SAY_EVERY: Duration = Duration::from_secs(10);
 
-/// Returns once every transaction open now has committed or rolled back;
-/// says in the log, every [`SAY_EVERY`], which ones it waits for. A signal
-/// (`stop`) ends the wait with [`RelayError::Interrupted`].
-pub async fn wait_for_open_transactions(
+/// The transactions (by virtual transaction id; `-1/<xid>` for a prepared
+/// one) holding more than a read lock on one of `$1` (qualified table
+/// names) or their partitions (`pg_partition_tree` lists none for a
+/// plain table), in this database, other than this session.
+const WRITERS_SQL: &str = "SELECT DISTINCT l.virtualtransaction FROM pg_locks l \
+     WHERE l.locktype = 'relation' AND l.granted \
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+       AND l.mode NOT IN ('AccessShareLock', 'RowShareLock') \
+       AND l.pid IS DISTINCT FROM pg_backend_pid() \
+       AND l.relation IN ( \
+             SELECT t.name::regclass FROM unnest($1::text[]) t(name) \
+             UNION SELECT p.relid FROM unnest($1::text[]) t(name), \
+                   LATERAL pg_partition_tree(t.name::regclass) p)";
+
+/// Of `$1` (virtual transaction ids), those still holding any lock, in
+/// words: the backend's pid, or the prepared transaction's name.
+const STILL_SQL: &str = "SELECT DISTINCT l.virtualtransaction, \
+       coalesce('pid ' || l.pid::text, \
+                'prepared ' || (SELECT quote_literal(p.gid) FROM pg_prepared_xacts p \
+                                 WHERE '-1/' || p.transaction::text = l.virtualtransaction), \
+                l.virtualtransaction) \
+     FROM pg_locks l WHERE l.virtualtransaction = ANY($1::text[])";
+
+/// Returns once every transaction writing to `tables` (qualified names)
+/// now has committed or rolled back; says in the log, every
+/// [`SAY_EVERY`], which ones it waits for. A signal (`stop`) ends the wait
+/// with [`RelayError::Interrupted`].
+pub async fn wait_for_writers(
     client: &Client,
     pg: &PostgresConfig,
+    tables: &[String],
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
     let err = || {
         sql_err(
             pg,
-            "waiting for the transactions open before the re-publishing",
+            "waiting for the transactions writing to the outbox tables",
         )
     };
-    // Every transaction with an id below the snapshot's xmax was open or
-    // done when it was taken; the wait is over when the oldest one still
-    // open is not below it.
-    let horizon: String = client
-        .query_one("SELECT pg_snapshot_xmax(pg_current_snapshot())::text", &[])
+    let writers: Vec<String> = client
+        .query(WRITERS_SQL, &[&tables])
         .await
         .map_err(err())?
-        .get(0);
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if writers.is_empty() {
+        return Ok(());
+    }
     let started = Instant::now();
     let mut said = started;
     loop {
-        let done: bool = client
-            .query_one(
-                "SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::text::xid8",
-                &[&horizon],
-            )
-            .await
-            .map_err(err())?
-            .get(0);
-        if done {
+        let still = client.query(STILL_SQL, &[&writers]).await.map_err(err())?;
+        if still.is_empty() {
             return Ok(());
         }
         if said.elapsed() >= SAY_EVERY {
             said = Instant::now();
-            let open = describe_open(client).await;
+            let open: Vec<String> = still
+                .iter()
+                .take(20)
+                .map(|r| crate::logtext::Shown(&r.get::<_, String>(1)).to_string())
+                .collect();
             warn!(
                 waited_secs = started.elapsed().as_secs(),
-                open = %open,
-                "republish waits for the transactions open when it started to end: rows they \
-                 wrote before the publication held the table are on neither the stream nor \
-                 (until they commit) the table; end them (COMMIT, ROLLBACK, or COMMIT PREPARED / \
-                 ROLLBACK PREPARED) or stop republish"
+                open = %open.join(", "),
+                "republish waits for the transactions that were writing to the outbox when it \
+                 started: rows they wrote before the publication held the table are on neither \
+                 the stream nor (until they commit) the table; end them (COMMIT, ROLLBACK, or \
+                 COMMIT PREPARED / ROLLBACK PREPARED) or stop republish"
             );
         }
         tokio::select! {
             _ = stop.cancelled() => {
                 return Err(RelayError::Interrupted(
-                    "republish stopped while waiting for the transactions open when it started; \
+                    "republish stopped while waiting for the transactions writing to the outbox; \
                      nothing was sent: run it again"
                         .to_owned(),
                 ));
             }
             _ = tokio::time::sleep(POLL) => {}
         }
-    }
-}
-
-/// The transactions holding an id now, oldest first, in words (backend
-/// pids and prepared transactions' names), as far as this role may see
-/// them.
-async fn describe_open(client: &Client) -> String {
-    let rows = client
-        .query(
-            "SELECT what FROM ( \
-               SELECT 'pid ' || pid::text AS what, age(backend_xid) AS age \
-                 FROM pg_stat_activity \
-                WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() \
-               UNION ALL \
-               SELECT 'prepared ' || quote_literal(gid), age(transaction) \
-                 FROM pg_prepared_xacts \
-             ) open ORDER BY age DESC LIMIT 20",
-            &[],
-        )
-        .await;
-    match rows {
-        Ok(rows) if rows.is_empty() => "none visible to this role".to_owned(),
-        Ok(rows) => rows
-            .iter()
-            .map(|r| crate::logtext::Shown(&r.get::<_, String>(0)).to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
-        Err(e) => format!("not readable ({e})"),
     }
 }

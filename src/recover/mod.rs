@@ -432,7 +432,10 @@ pub async fn republish(
 ) -> Result<(i64, Published), RelayError> {
     let tables = rows::tables(cfg, table)?;
     let mut client = connect_sql(&cfg.postgres).await?;
-    in_flight::wait_for_open_transactions(&client, &cfg.postgres, stop).await?;
+    let names: Vec<String> = (tables.iter())
+        .filter_map(|&i| Some(cfg.outboxes[i].table()?.quoted()))
+        .collect();
+    in_flight::wait_for_writers(&client, &cfg.postgres, &names, stop).await?;
     let selected = rows::count(&client, cfg, sel, &tables).await?;
     let mut rows = rows::Rows::open(&mut client, cfg, sel, &tables).await?;
     let refusals = Refusals::default();

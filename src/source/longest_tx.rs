@@ -9,9 +9,9 @@
 //!
 //! - `pg_stat_activity.xact_start` of every session it may see (all of
 //!   them with `pg_read_all_stats`, else its own role's);
-//! - the age of the oldest running transaction id (`pg_current_snapshot()`'s
-//!   xmin, when a transaction is open: below its xmax): the same xmin seen
-//!   again means that transaction is still open since it was first seen.
+//! - the oldest open transaction id (of the sessions', the prepared
+//!   transactions' and the snapshot's): the same id seen again means that
+//!   transaction is still open since it was first seen.
 //!
 //! A transaction shorter than the sampling interval may go unseen; the
 //! window adds the interval to what was seen.
@@ -21,12 +21,20 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::Client;
 
-/// One query for both sources. With no transaction open, the snapshot's
-/// xmin is its xmax (the next id to be handed out) and names none: NULL,
-/// or an idle server would count as one long transaction.
+/// One query for both sources. The oldest open transaction id is the
+/// oldest of the sessions' `backend_xid`, the prepared transactions', and
+/// the snapshot's xmin when it is below the xmax (then it is one of the
+/// running ones; equal to the xmax, it names none: an idle server must not
+/// count as one long transaction, and an open transaction at or above the
+/// xmax is in no snapshot's list, so the other two sources are needed).
 pub const SAMPLE_SQL: &str = "SELECT coalesce(extract(epoch FROM now() - min(xact_start))::float8, 0), \
-     (SELECT nullif(pg_snapshot_xmin(s)::text, pg_snapshot_xmax(s)::text) \
-        FROM pg_current_snapshot() s) \
+     (SELECT o.x::text FROM ( \
+        SELECT backend_xid AS x FROM pg_stat_activity \
+         WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() \
+        UNION ALL SELECT transaction FROM pg_prepared_xacts \
+        UNION ALL SELECT (pg_snapshot_xmin(s)::text::numeric % 4294967296)::text::xid \
+          FROM pg_current_snapshot() s WHERE pg_snapshot_xmin(s) < pg_snapshot_xmax(s) \
+      ) o ORDER BY age(o.x) DESC LIMIT 1) \
      FROM pg_stat_activity WHERE xact_start IS NOT NULL AND pid <> pg_backend_pid() \
      AND backend_type = 'client backend'";
 
