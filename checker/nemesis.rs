@@ -78,6 +78,9 @@ impl Supervisor {
     }
 }
 
+/// Runs of a remedy's command before the remedy counts as failed.
+const REMEDY_ATTEMPTS: u32 = 4;
+
 /// Watches the relay until `done`: restarts it after a documented stop,
 /// once the operator's remedy has run; counts any other exit as a failure.
 pub async fn supervise(
@@ -111,15 +114,32 @@ pub async fn supervise(
                 let mut all = vec![format!("relay exited {status}: {said}")];
                 let mut failed = None;
                 for a in args {
-                    let began = std::time::Instant::now();
-                    let out = run_cmd(w, a).await;
-                    let line = format!(
-                        "operator: outbox-relay {} -> {out} ({:.1} s)",
-                        a.join(" "),
-                        began.elapsed().as_secs_f64()
-                    );
-                    if out != "ok" {
-                        failed = Some(line.clone());
+                    // As an operator would: a command that failed (a
+                    // connection cut by the fault of the moment) is run
+                    // again, a few times, before the remedy counts as failed.
+                    let mut line = String::new();
+                    for attempt in 1..=REMEDY_ATTEMPTS {
+                        let began = std::time::Instant::now();
+                        let out = run_cmd(w, a).await;
+                        line = format!(
+                            "operator: outbox-relay {} -> {out} ({:.1} s{})",
+                            a.join(" "),
+                            began.elapsed().as_secs_f64(),
+                            if attempt > 1 {
+                                format!(", attempt {attempt}")
+                            } else {
+                                String::new()
+                            }
+                        );
+                        if out == "ok" {
+                            break;
+                        }
+                        if attempt == REMEDY_ATTEMPTS {
+                            failed = Some(line.clone());
+                        } else {
+                            all.push(line.clone());
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                        }
                     }
                     all.push(line);
                 }

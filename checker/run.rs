@@ -127,13 +127,17 @@ async fn run(s: &Schedule) -> Report {
                 }
             }
         }));
-    // The supervisor watches until the producers are done too (they end
-    // after the faults): a relay that stops meanwhile gets its remedy then,
+    // The supervisor watches until the producers are done too, and the
+    // faults: a relay that stops meanwhile gets its remedy then,
     // not only at the drain, when every transaction has ended (which would
     // hide a remedy that misses one still open).
     let producers_done = Arc::new(AtomicBool::new(false));
     let producers = async {
         let r = producers.await;
+        // Producers past EVENT_CAP may end before the faults do.
+        while !faults_done.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         producers_done.store(true, std::sync::atomic::Ordering::SeqCst);
         r
     };
@@ -266,7 +270,7 @@ async fn run(s: &Schedule) -> Report {
         &["ctl", "set_vm_memory_high_watermark", "0.4"],
     )
     .await;
-    if report.failed() || std::env::var_os("CHECK_KEEP").is_some() {
+    if report.failed() || std::env::var("CHECK_KEEP").is_ok_and(|v| v != "0") {
         // The relay's logs and config, for the failure (or when asked).
         let kept = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("target/checker/run-{}-{}", s.seed, w.p));

@@ -268,7 +268,14 @@ fn tx(r: &mut Rng, setup: &Setup) -> Tx {
         } else {
             r.range(100, 2000) as u32
         }),
-        84..=88 => Tx::Unpublished(*r.pick(&[10_000, 200_000, 1_000_000])),
+        // Once in a while 5M rows: their replay, with nothing for the
+        // relay, outlasts a short wal_sender_timeout (a busy walsender is
+        // not a dead one).
+        84..=88 => Tx::Unpublished(if r.one_in(8) {
+            5_000_000
+        } else {
+            *r.pick(&[10_000, 200_000, 1_000_000])
+        }),
         _ => {
             let pool: Vec<Hostile> = HOSTILE
                 .iter()
