@@ -81,6 +81,22 @@ impl Supervisor {
 /// Runs of a remedy's command before the remedy counts as failed.
 const REMEDY_ATTEMPTS: u32 = 4;
 
+/// Whether a command failed for a connection lost or refused (not for a
+/// timeout, nor for what it found).
+fn cut_off(out: &str) -> bool {
+    let out = out.to_ascii_lowercase();
+    !out.contains("no end within")
+        && [
+            "connection closed",
+            "connection reset",
+            "connection refused",
+            "broken pipe",
+            "unexpected eof",
+        ]
+        .iter()
+        .any(|s| out.contains(s))
+}
+
 /// Watches the relay until `done`: restarts it after a documented stop,
 /// once the operator's remedy has run; counts any other exit as a failure.
 pub async fn supervise(
@@ -114,9 +130,10 @@ pub async fn supervise(
                 let mut all = vec![format!("relay exited {status}: {said}")];
                 let mut failed = None;
                 for a in args {
-                    // As an operator would: a command that failed (a
-                    // connection cut by the fault of the moment) is run
-                    // again, a few times, before the remedy counts as failed.
+                    // As an operator would: a command whose connection was
+                    // cut (by the fault of the moment) is run again, a few
+                    // times, before the remedy counts as failed; any other
+                    // failure (a timeout included) counts at once.
                     let mut line = String::new();
                     for attempt in 1..=REMEDY_ATTEMPTS {
                         let began = std::time::Instant::now();
@@ -134,7 +151,7 @@ pub async fn supervise(
                         if out == "ok" {
                             break;
                         }
-                        if attempt == REMEDY_ATTEMPTS {
+                        if attempt == REMEDY_ATTEMPTS || !cut_off(&out) {
                             failed = Some(line.clone());
                         } else {
                             all.push(line.clone());
@@ -211,6 +228,8 @@ async fn run_cmd(w: &World, args: &[String]) -> String {
             .map(|a| a.replace("{started_at}", &w.started_at)),
     );
     let mut cmd = tokio::process::Command::from(cmd);
+    // A command given up on must not go on beside the next.
+    cmd.kill_on_drop(true);
     match tokio::time::timeout(Duration::from_secs(180), cmd.output()).await {
         Ok(Ok(o)) if o.status.success() => "ok".into(),
         Ok(Ok(o)) => format!(

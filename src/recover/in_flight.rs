@@ -9,7 +9,8 @@
 //! transaction is still open would not, and once it commits nothing would
 //! send them. So `republish` first waits until every transaction that held
 //! a write lock on an outbox table (or one of its partitions) when it
-//! started has ended, prepared ones included; then it reads. Transactions
+//! started has ended, prepared ones included; then it reads. (A committing
+//! transaction is visible before it releases its locks.) Transactions
 //! that write later, or elsewhere, are not waited for: what they write to
 //! the outbox after `setup` is streamed.
 //!
@@ -33,28 +34,32 @@ const POLL: Duration = Duration::from_millis(100);
 /// How often a wait that goes on is said in the log.
 const SAY_EVERY: Duration = Duration::from_secs(10);
 
-/// The transactions (by virtual transaction id; `-1/<xid>` for a prepared
-/// one) holding more than a read lock on one of `$1` (qualified table
-/// names) or their partitions (`pg_partition_tree` lists none for a
-/// plain table), in this database, other than this session.
-const WRITERS_SQL: &str = "SELECT DISTINCT l.virtualtransaction FROM pg_locks l \
-     WHERE l.locktype = 'relation' AND l.granted \
+/// The transaction ids of the transactions holding a write lock
+/// (`RowExclusiveLock`: every INSERT or COPY takes it, whatever else it
+/// holds) on one of `$1` (qualified table names) or their partitions
+/// (`pg_partition_tree` lists none for a plain table), in this database,
+/// other than this session. By transaction id, not virtual one: the id
+/// survives `PREPARE TRANSACTION` and a restart on every version.
+const WRITERS_SQL: &str = "SELECT DISTINCT x.transactionid::text FROM pg_locks l \
+     JOIN pg_locks x ON x.virtualtransaction = l.virtualtransaction \
+      AND x.locktype = 'transactionid' AND x.mode = 'ExclusiveLock' AND x.granted \
+     WHERE l.locktype = 'relation' AND l.granted AND l.mode = 'RowExclusiveLock' \
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-       AND l.mode NOT IN ('AccessShareLock', 'RowShareLock') \
        AND l.pid IS DISTINCT FROM pg_backend_pid() \
        AND l.relation IN ( \
              SELECT t.name::regclass FROM unnest($1::text[]) t(name) \
              UNION SELECT p.relid FROM unnest($1::text[]) t(name), \
                    LATERAL pg_partition_tree(t.name::regclass) p)";
 
-/// Of `$1` (virtual transaction ids), those still holding any lock, in
-/// words: the backend's pid, or the prepared transaction's name.
-const STILL_SQL: &str = "SELECT DISTINCT l.virtualtransaction, \
-       coalesce('pid ' || l.pid::text, \
+/// Of `$1` (transaction ids), those still open, in words: the backend's
+/// pid, or the prepared transaction's name.
+const STILL_SQL: &str = "SELECT DISTINCT x.transactionid::text, \
+       coalesce('pid ' || x.pid::text, \
                 'prepared ' || (SELECT quote_literal(p.gid) FROM pg_prepared_xacts p \
-                                 WHERE '-1/' || p.transaction::text = l.virtualtransaction), \
-                l.virtualtransaction) \
-     FROM pg_locks l WHERE l.virtualtransaction = ANY($1::text[])";
+                                 WHERE p.transaction = x.transactionid), \
+                'transaction ' || x.transactionid::text) \
+     FROM pg_locks x WHERE x.locktype = 'transactionid' AND x.mode = 'ExclusiveLock' \
+      AND x.transactionid::text = ANY($1::text[])";
 
 /// Returns once every transaction writing to `tables` (qualified names)
 /// now has committed or rolled back; says in the log, every
