@@ -177,6 +177,22 @@ fn republish_since(log: &str) -> String {
         .to_owned()
 }
 
+/// A new connection with a transaction left open after inserting one
+/// event for `aggregate_id`; its id.
+async fn open_insert(f: &Fixture, aggregate_id: &str) -> (tokio_postgres::Client, String) {
+    let pg = pg_connect_retry_to(&f.pg_url).await;
+    pg.batch_execute("BEGIN").await.unwrap();
+    let id: String = pg
+        .query_one(
+            &f.insert_sql(),
+            &[&"order", &aggregate_id, &"placed", &json!({}).to_string()],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    (pg, id)
+}
+
 /// A transaction that wrote to the re-created outbox before `setup` added
 /// it to the publication, and commits after, is never streamed: PostgreSQL
 /// decodes a change with the catalog as it was when the change was written.
@@ -203,27 +219,9 @@ async fn a_transaction_open_across_the_remedy_is_republished() {
     let since = republish_since(&log);
 
     // Open across `setup` and the start of `republish`.
-    let open_tx = pg_connect_retry_to(&f.pg_url).await;
-    open_tx.batch_execute("BEGIN").await.unwrap();
-    let open: String = open_tx
-        .query_one(
-            &f.insert_sql(),
-            &[&"order", &"o-2", &"placed", &json!({}).to_string()],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let (open_tx, open) = open_insert(&f, "o-2").await;
     // And a prepared one (no session holds it; its locks stay).
-    let prep = pg_connect_retry_to(&f.pg_url).await;
-    prep.batch_execute("BEGIN").await.unwrap();
-    let prepared: String = prep
-        .query_one(
-            &f.insert_sql(),
-            &[&"order", &"o-3", &"placed", &json!({}).to_string()],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let (prep, prepared) = open_insert(&f, "o-3").await;
     let gid = f.scoped("remedy_gid");
     prep.batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
         .await
