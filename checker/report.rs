@@ -23,7 +23,7 @@ pub fn one_line(r: &Report) -> String {
     let l = sorted(r.latencies_ms.iter().copied());
     format!(
         "checker: seed {} {}: {} events committed ({} txs, {} rolled back, {} failed), {} deliveries, \
-         {} duplicates {:?}, {} dead-lettered; faults {:?}; relay started {}x; drained in {:.1}s; \
+         {} duplicates {:?}, {} dead-lettered; faults {:?}; relay started {}x; drained in {:.1}s (writers {:.1}s, record {:.1}s); \
          commit-to-delivery p50 {:.0} ms p99 {:.0} ms; peak RSS {} MiB; {:.0}s{}",
         r.seed,
         if r.failed() { "FAILED" } else { "passed" },
@@ -38,6 +38,8 @@ pub fn one_line(r: &Report) -> String {
         r.faults,
         r.relay_starts,
         r.drain_secs,
+        r.drain_phases.0,
+        r.drain_phases.1,
         percentile(&l, 0.5),
         percentile(&l, 0.99),
         r.peak_rss >> 20,

@@ -40,7 +40,12 @@ pub struct Report {
     pub dead_lettered: usize,
     pub latencies_ms: Vec<f64>,
     pub peak_rss: u64,
+    /// From the end of the faults and producers until everything was
+    /// delivered and the slot past the last commit (or until the bound).
     pub drain_secs: f64,
+    /// Of which: waiting for the run's last statements, and reading the
+    /// record (the observer slot's decoding).
+    pub drain_phases: (f64, f64),
     pub wall_secs: f64,
     pub relay_starts: usize,
     pub remedies: Vec<String>,
@@ -160,7 +165,7 @@ async fn run(s: &Schedule) -> Report {
     // Drain: the supervisor still restarts a relay that stops.
     let drain = Instant::now();
     let sup_done = CancellationToken::new();
-    let (record, confirmed) = tokio::join!(
+    let d = tokio::join!(
         async {
             let r = drain_until_complete(&w, &consumer).await;
             sup_done.cancel();
@@ -169,7 +174,9 @@ async fn run(s: &Schedule) -> Report {
         supervise(&w, &sup, &sup_done)
     )
     .0;
-    report.drain_secs = drain.elapsed().as_secs_f64();
+    report.drain_secs = d.drained.unwrap_or_else(|| drain.elapsed()).as_secs_f64();
+    report.drain_phases = (d.writers.as_secs_f64(), d.read.as_secs_f64());
+    let (record, confirmed) = (d.record, d.confirmed);
     let record = match record {
         Ok(r) => r,
         Err(e) => {
@@ -183,6 +190,12 @@ async fn run(s: &Schedule) -> Report {
         }
     };
     let last_commit = record.iter().map(|c| c.commit).max().unwrap_or(Lsn(0));
+    if d.drained.is_none() {
+        report.failures.push(format!(
+            "STALL: the backlog was not drained (every committed event delivered, the slot past \
+             the last commit) within {DRAIN_BOUND:?} after the faults stopped"
+        ));
+    }
     if confirmed < last_commit {
         report.failures.push(format!(
             "STALL: the slot's confirmed position {confirmed} is still before the last commit {last_commit} \
@@ -289,14 +302,24 @@ async fn run(s: &Schedule) -> Report {
     report
 }
 
+/// What [`drain_until_complete`] saw.
+struct Drained {
+    record: Result<Vec<Committed>, String>,
+    /// The slot's confirmed position, last read.
+    confirmed: Lsn,
+    /// When everything was delivered and the slot past the last commit,
+    /// from the start; `None`: not within [`DRAIN_BOUND`].
+    drained: Option<Duration>,
+    /// Spent waiting for the run's statements to end, and reading the record.
+    writers: Duration,
+    read: Duration,
+}
+
 /// Waits (at most [`DRAIN_BOUND`]) until every committed event was
-/// delivered or dead-lettered and the slot passed the last commit. Returns
-/// the record and the slot's confirmed position.
-async fn drain_until_complete(
-    w: &World,
-    consumer: &Consumer,
-) -> (Result<Vec<Committed>, String>, Lsn) {
-    let end = Instant::now() + DRAIN_BOUND;
+/// delivered or dead-lettered and the slot passed the last commit.
+async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
+    let start = Instant::now();
+    let end = start + DRAIN_BOUND;
     // A connection of its own: a fault may have closed any earlier one.
     let pg = &pg_connect_retry().await;
     // A statement the producer gave up on may still commit: wait until
@@ -317,6 +340,7 @@ async fn drain_until_complete(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let writers = start.elapsed();
     // Commits are asynchronous here (synchronous_commit = off), and
     // decoding reads only flushed WAL: one synchronous commit that wrote
     // WAL flushes it all.
@@ -327,6 +351,7 @@ async fn drain_until_complete(
         ))
         .await;
     let mut record = oracle::committed(pg, &w.observer, &w.record).await;
+    let read = start.elapsed() - writers;
     if std::env::var_os("CHECK_DEBUG").is_some() {
         let rows: i64 = pg
             .query_one(&format!("SELECT count(*) FROM {}", w.record), &[])
@@ -342,6 +367,13 @@ async fn drain_until_complete(
         );
     }
     let mut confirmed = Lsn(0);
+    let seen = |record, confirmed, drained| Drained {
+        record,
+        confirmed,
+        drained,
+        writers,
+        read,
+    };
     loop {
         let pg = pg_connect_retry().await;
         if let Ok(Some(row)) = pg
@@ -360,19 +392,20 @@ async fn drain_until_complete(
             let got: std::collections::HashSet<String> =
                 consumer.snapshot().into_iter().map(|d| d.id).collect();
             let last = r.iter().map(|c| c.commit).max().unwrap_or(Lsn(0));
-            if confirmed >= last && r.iter().all(|c| got.contains(&c.id)) {
-                return (record, confirmed);
+            // Seen past the bound is not within it.
+            if confirmed >= last && r.iter().all(|c| got.contains(&c.id)) && Instant::now() <= end {
+                return seen(record, confirmed, Some(start.elapsed()));
             }
         }
         if Instant::now() >= end {
-            return (record, confirmed);
+            return seen(record, confirmed, None);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         if record.is_err() {
             record = oracle::committed(&pg, &w.observer, &w.record).await;
         }
         if Instant::now() >= end {
-            return (record, confirmed);
+            return seen(record, confirmed, None);
         }
     }
 }
