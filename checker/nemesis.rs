@@ -343,7 +343,14 @@ pub async fn inflict(
                 signal(pid as u32, "CONT");
             }
         }
-        Fault::DropSlot => {
+        Fault::DropSlot { kill } => {
+            const STARTED: &str = "recovery recorded";
+            let recoveries = |s: &Supervisor| {
+                s.relay
+                    .as_ref()
+                    .map(|r| (r.pid(), r.log_text().matches(STARTED).count()))
+            };
+            let before = recoveries(&sup.lock().unwrap());
             let pg = pg_connect_retry().await;
             let end = Instant::now() + Duration::from_secs(10);
             while Instant::now() < end {
@@ -362,6 +369,25 @@ pub async fn inflict(
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if let Some(kill) = kill {
+                // Into the recovery the lost slot starts (if one starts
+                // within 30 s), then a kill -9 and a restart at once.
+                let end = Instant::now() + Duration::from_secs(30);
+                while Instant::now() < end {
+                    let now = recoveries(&sup.lock().unwrap());
+                    let started = match (before, now) {
+                        (Some((p0, n0)), Some((p, n))) => n > if p == p0 { n0 } else { 0 },
+                        (None, Some((_, n))) => n > 0,
+                        _ => false,
+                    };
+                    if started {
+                        ms(*kill).await;
+                        Box::pin(inflict(w, sup, consumer, &Fault::Kill9 { down: 0 })).await?;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }
         Fault::Stall { pg, ms: m } => {

@@ -214,7 +214,10 @@ async fn run(s: &Schedule) -> Report {
         && !s.faults.iter().any(|(_, f)| {
             matches!(
                 f,
-                Fault::FullQueue { .. } | Fault::Republish | Fault::DropSlot | Fault::Recreate
+                Fault::FullQueue { .. }
+                    | Fault::Republish
+                    | Fault::DropSlot { .. }
+                    | Fault::Recreate
             )
         });
     // Read again: a statement given up on may have committed meanwhile.
@@ -230,7 +233,7 @@ async fn run(s: &Schedule) -> Report {
         let ok = if remedy.contains("outbox-relay republish") {
             caused(|f| matches!(f, Fault::Recreate))
         } else if remedy.contains("outbox-relay recover") {
-            caused(|f| matches!(f, Fault::DropSlot))
+            caused(|f| matches!(f, Fault::DropSlot { .. }))
         } else {
             true
         };
@@ -308,7 +311,8 @@ struct Drained {
     /// The slot's confirmed position, last read.
     confirmed: Lsn,
     /// When everything was delivered and the slot past the last commit,
-    /// from the start; `None`: not within [`DRAIN_BOUND`].
+    /// from the start, as the consumer's and the slot's timestamps say;
+    /// `None`: not within [`DRAIN_BOUND`].
     drained: Option<Duration>,
     /// Spent waiting for the run's statements to end, and reading the record.
     writers: Duration,
@@ -350,8 +354,33 @@ async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
             w.bulk
         ))
         .await;
-    let mut record = oracle::committed(pg, &w.observer, &w.record).await;
-    let read = start.elapsed() - writers;
+    // The record is read (which can take as long as the drain, when the
+    // observer slot decodes millions of unpublished rows) while the slot is
+    // watched: the drain is judged by when things happened, not by when
+    // the checker got to look.
+    let mut samples: Vec<(Instant, Lsn)> = Vec::new();
+    let reading = CancellationToken::new();
+    let (mut record, ()) = tokio::join!(
+        async {
+            let r = oracle::committed(pg, &w.observer, &w.record).await;
+            reading.cancel();
+            r
+        },
+        async {
+            let pg = pg_connect_retry().await;
+            while !reading.is_cancelled() {
+                if let Some(l) = slot_position(&pg, &w.slot).await {
+                    samples.push((Instant::now(), l));
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(250)) => {}
+                    () = reading.cancelled() => {}
+                }
+            }
+        }
+    );
+    let read_done = Instant::now();
+    let read = read_done - start - writers;
     if std::env::var_os("CHECK_DEBUG").is_some() {
         let rows: i64 = pg
             .query_one(&format!("SELECT count(*) FROM {}", w.record), &[])
@@ -366,7 +395,8 @@ async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
             record.as_ref().map(Vec::len)
         );
     }
-    let mut confirmed = Lsn(0);
+    // Looked at until the bound, and once at least after the read.
+    let until = end.max(read_done + Duration::from_secs(1));
     let seen = |record, confirmed, drained| Drained {
         record,
         confirmed,
@@ -376,38 +406,49 @@ async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
     };
     loop {
         let pg = pg_connect_retry().await;
-        if let Ok(Some(row)) = pg
-            .query_opt(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                &[&w.slot],
-            )
-            .await
-        {
-            confirmed = row
-                .get::<_, Option<String>>(0)
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(Lsn(0));
+        if let Some(l) = slot_position(&pg, &w.slot).await {
+            samples.push((Instant::now(), l));
         }
+        let confirmed = samples.last().map_or(Lsn(0), |s| s.1);
         if let Ok(r) = &record {
-            let got: std::collections::HashSet<String> =
-                consumer.snapshot().into_iter().map(|d| d.id).collect();
             let last = r.iter().map(|c| c.commit).max().unwrap_or(Lsn(0));
-            // Seen past the bound is not within it.
-            if confirmed >= last && r.iter().all(|c| got.contains(&c.id)) && Instant::now() <= end {
-                return seen(record, confirmed, Some(start.elapsed()));
+            let passed = samples.iter().find(|s| s.1 >= last).map(|s| s.0);
+            // Each event's first delivery (or dead letter).
+            let mut first: std::collections::HashMap<String, Instant> =
+                std::collections::HashMap::new();
+            for d in consumer.snapshot() {
+                first.entry(d.id).or_insert(d.at);
+            }
+            let delivered = r
+                .iter()
+                .map(|c| first.get(&c.id).copied())
+                .try_fold(start, |m, t| t.map(|t| m.max(t)));
+            if let (Some(p), Some(d)) = (passed, delivered) {
+                let at = p.max(d) - start;
+                return seen(record, confirmed, (at <= DRAIN_BOUND).then_some(at));
             }
         }
-        if Instant::now() >= end {
+        if Instant::now() >= until {
             return seen(record, confirmed, None);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         if record.is_err() {
             record = oracle::committed(&pg, &w.observer, &w.record).await;
         }
-        if Instant::now() >= end {
-            return seen(record, confirmed, None);
-        }
     }
+}
+
+/// The slot's confirmed position, if it can be read.
+async fn slot_position(pg: &tokio_postgres::Client, slot: &str) -> Option<Lsn> {
+    pg.query_opt(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+        &[&slot],
+    )
+    .await
+    .ok()
+    .flatten()
+    .and_then(|row| row.get::<_, Option<String>>(0))
+    .and_then(|s| s.parse().ok())
 }
 
 /// Each duplicate delivery counts against the last fault before it.

@@ -165,8 +165,13 @@ pub enum Fault {
     StopWalsender {
         ms: u32,
     },
-    /// The relay's slot dropped under it (`on_slot_lost = "recover"`).
-    DropSlot,
+    /// The relay's slot dropped under it (`on_slot_lost = "recover"`);
+    /// with `kill`, the relay is killed (`kill -9`, restarted at once)
+    /// that many ms into the recovery that follows, so that a recovery is
+    /// resumed from its record.
+    DropSlot {
+        kill: Option<u32>,
+    },
     /// The proxy in front of PostgreSQL (`pg`) or RabbitMQ stops moving
     /// bytes for `ms`, connections open.
     Stall {
@@ -233,9 +238,22 @@ impl Schedule {
                     .collect()
             })
             .collect();
-        let faults = (0..size.faults)
-            .map(|_| (r.range(500, 3000) as u32, fault(&mut r, &setup)))
-            .collect();
+        let mut faults: Vec<(u32, Fault)> = Vec::new();
+        while faults.len() < size.faults {
+            let f = (r.range(500, 3000) as u32, fault(&mut r, &setup));
+            // A lost slot and a dropped table in one run can lose rows for
+            // good, whatever the relay does: once no slot holds their WAL
+            // and the table is gone, nothing has them. Either, not both.
+            let gone = |f: &Fault| matches!(f, Fault::DropSlot { .. } | Fault::Recreate);
+            if gone(&f.1)
+                && faults.iter().any(|(_, x)| {
+                    gone(x) && std::mem::discriminant(x) != std::mem::discriminant(&f.1)
+                })
+            {
+                continue;
+            }
+            faults.push(f);
+        }
         Schedule {
             seed,
             setup,
@@ -316,7 +334,9 @@ fn fault(r: &mut Rng, setup: &Setup) -> Fault {
             8 => Fault::StopWalsender {
                 ms: r.range(500, 8000) as u32,
             },
-            9 => Fault::DropSlot,
+            9 => Fault::DropSlot {
+                kill: r.one_in(2).then(|| r.range(0, 1500) as u32),
+            },
             10 => Fault::Stall {
                 pg: r.one_in(2),
                 ms: r.range(200, 8000) as u32,
@@ -335,7 +355,7 @@ fn fault(r: &mut Rng, setup: &Setup) -> Fault {
             Fault::AttachPartition => setup.shape == Shape::Partitioned,
             // Logical messages written while the slot is gone are in no
             // table: nothing can re-publish them (README, "recover").
-            Fault::DropSlot => setup.shape != Shape::Messages,
+            Fault::DropSlot { .. } => setup.shape != Shape::Messages,
             _ => true,
         };
         if fits {
@@ -423,7 +443,8 @@ impl fmt::Display for Fault {
             Fault::PgRestart => write!(f, "pg-restart"),
             Fault::TerminateWalsender => write!(f, "terminate-walsender"),
             Fault::StopWalsender { ms } => write!(f, "stop-walsender {ms}"),
-            Fault::DropSlot => write!(f, "drop-slot"),
+            Fault::DropSlot { kill: None } => write!(f, "drop-slot"),
+            Fault::DropSlot { kill: Some(ms) } => write!(f, "drop-slot kill {ms}"),
             Fault::Stall { pg, ms } => write!(f, "stall {} {ms}", side(*pg)),
             Fault::Cut { pg } => write!(f, "cut {}", side(*pg)),
             Fault::HalfClose { pg } => write!(f, "half-close {}", side(*pg)),
@@ -564,7 +585,13 @@ fn parse_fault(w: &[&str]) -> Option<Fault> {
         "pg-restart" => Fault::PgRestart,
         "terminate-walsender" => Fault::TerminateWalsender,
         "stop-walsender" => Fault::StopWalsender { ms: n(1)? },
-        "drop-slot" => Fault::DropSlot,
+        "drop-slot" => Fault::DropSlot {
+            kill: match w.get(1) {
+                None => None,
+                Some(&"kill") => Some(n(2)?),
+                Some(_) => return None,
+            },
+        },
         "stall" => Fault::Stall {
             pg: pg(1)?,
             ms: n(2)?,

@@ -73,6 +73,13 @@ fn run_check(mut cmd: Command) -> Checked {
     }
 }
 
+/// The role the fixture's relay logs in as.
+fn relay_user(fx: &Fixture) -> &str {
+    fx.relay_role
+        .as_ref()
+        .map_or("postgres", |r| r.name.as_str())
+}
+
 /// `check` of the fixture's config, with extra environment.
 fn check(fx: &Fixture, env: &[(&str, &str)]) -> Checked {
     let mut cmd = fx.relay_cmd("check");
@@ -97,7 +104,7 @@ async fn good_setup_is_all_ok() {
         "ok wal_level = logical".to_owned(),
         "ok replication slots: ".to_owned(),
         "ok WAL senders: ".to_owned(),
-        "ok role postgres may replicate".to_owned(),
+        format!("ok role {} may replicate", relay_user(&fx)),
         format!("ok publication {:?}: publishes inserts", fx.publication),
         format!("ok outbox table public.{}: columns ", fx.table),
         format!("ok replication slot {:?}: pgoutput", fx.slot),
@@ -117,11 +124,15 @@ async fn good_setup_is_all_ok() {
     }
     // URLs are shown rebuilt from their parts, without the password.
     assert!(
-        c.stdout.contains("reachable at postgres://postgres@"),
+        c.stdout
+            .contains(&format!("reachable at postgres://{}@", relay_user(&fx))),
         "{c}"
     );
     assert!(c.stdout.contains("reachable at amqp://guest@"), "{c}");
     assert!(!c.stdout.contains(":postgres@"), "{c}");
+    if let Some(role) = &fx.relay_role {
+        assert!(!c.stdout.contains(&role.password), "{c}");
+    }
     assert!(!c.stdout.contains(":guest@"), "{c}");
     fx.cleanup().await;
 }
@@ -316,13 +327,38 @@ async fn no_url_shape_prints_its_password() {
                 "{c}"
             );
         }
-        let mut setup = fx.relay_cmd("setup");
-        setup.env(var, url);
-        let s = run_check(setup);
-        assert_ne!(s.code, Some(0), "{s}");
-        s.assert_hides(secret);
+        // The others that connect print the target too, `run` in its log.
+        for sub in ["setup", "status", "run"] {
+            let mut cmd = fx.relay_cmd(sub);
+            cmd.env(var, url);
+            let s = run_bounded(cmd, &fx.dir.path().join(sub), Duration::from_secs(10));
+            assert_ne!(s.code, Some(0), "{sub}: {s}");
+            assert!(!s.stderr.is_empty(), "{sub} said nothing");
+            s.assert_hides(secret);
+        }
     }
     fx.cleanup().await;
+}
+
+/// As [`run_check`], for a command that may not end by itself (`run`
+/// retrying): stopped after `bound`, what it printed so far is judged.
+fn run_bounded(mut cmd: Command, out: &Path, bound: Duration) -> Checked {
+    let (o, e) = (out.with_extension("out"), out.with_extension("err"));
+    let mut child = cmd
+        .stdout(std::fs::File::create(&o).unwrap())
+        .stderr(std::fs::File::create(&e).unwrap())
+        .spawn()
+        .unwrap();
+    let status = wait_timeout(&mut child, bound).or_else(|| {
+        let _ = child.kill();
+        let _ = child.wait();
+        None
+    });
+    Checked {
+        code: status.and_then(|s| s.code()),
+        stdout: std::fs::read_to_string(o).unwrap_or_default(),
+        stderr: std::fs::read_to_string(e).unwrap_or_default(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -438,7 +474,8 @@ async fn lost_slot_fails_naming_recover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn superuser_and_a_foreign_owned_or_triggered_checkpoint_table_are_warnings() {
-    let fx = Fixture::new("chk_priv").await;
+    let mut fx = Fixture::new("chk_priv").await;
+    fx.relay_as_superuser().await;
     let pg = pg_connect().await;
     // A checkpoint table of this test's own: the shared one is written by
     // every other test's relay.

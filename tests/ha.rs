@@ -337,7 +337,7 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
     let mut all = Vec::new();
     fx.wait_deliveries(&mut all, 50, Duration::from_secs(60), Some(&relays[0]))
         .await;
-    // The checkpoint table (each second) has a recent position.
+    // The checkpoint table (every 200 ms) has a recent position.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     let ctl = |what: &str| pgha(&name, what);

@@ -114,6 +114,7 @@ async fn a_table_added_to_the_config_is_picked_up_after_setup_and_a_restart() {
     let pg = pg_connect().await;
     let b = format!("{}_b", fx.table);
     create_table(&pg, &b).await;
+    fx.grant_to_relay(&pg, &b).await;
     fx.start_consumer().await;
     let insert = |t: &str, agg: &str| {
         format!(
@@ -429,6 +430,7 @@ async fn recover_and_prune_cover_every_table() {
     let mut pg = pg_connect().await;
     let (a, b) = (fx.table.clone(), format!("{}_b", fx.table));
     create_table(&pg, &b).await;
+    fx.grant_to_relay(&pg, &b).await;
     let prefix = fx.scoped("events");
     set_outboxes(
         &fx,

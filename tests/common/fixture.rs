@@ -67,8 +67,14 @@ pub struct Fixture {
     pub amqp: Connection,
     pub(super) consumer: Option<tokio::sync::mpsc::UnboundedReceiver<Received>>,
     /// The servers: the harness's own unless [`Fixture::on_servers`].
+    /// `pg_url` is a superuser's, for the test itself and the operator's
+    /// commands that change the schema (`setup`, `prune`).
     pub pg_url: String,
     pub amqp_urls: Vec<String>,
+    /// The relay's own role, in its config: the least-privilege one
+    /// `sql/role.sql` makes, unless the test asked for a superuser
+    /// ([`Fixture::relay_as_superuser`]) or runs on other servers.
+    pub relay_role: Option<RelayRole>,
 }
 
 impl Fixture {
@@ -138,10 +144,12 @@ impl Fixture {
             name,
             pg_url,
             amqp_urls,
+            relay_role: None,
         };
         let mut f = f;
         f.config = f.dir.path().join("relay.toml");
         std::fs::write(&f.config, f.config_text(rabbitmq_extra)).unwrap();
+        let least_privilege = !quorum && f.pg_url == super::pg_url();
 
         let pg = pg_connect_retry_to(&f.pg_url).await;
         pg.batch_execute(&ddl.replace("{table}", &f.table))
@@ -163,7 +171,38 @@ impl Fixture {
             "setup failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // The relay runs as an operator would run it: a role with
+        // REPLICATION, SELECT on its outbox and its own checkpoint row,
+        // admitted by a database pg_hba line only.
+        if least_privilege {
+            f.relay_role = Some(f.least_privilege_role());
+            std::fs::write(&f.config, f.config_text(rabbitmq_extra)).unwrap();
+        }
         f
+    }
+
+    /// What an operator does for a table the relay's role was not granted
+    /// (a new outbox, or one created again): `GRANT SELECT` to the role.
+    pub async fn grant_to_relay(&self, pg: &Client, table: &str) {
+        if let Some(role) = &self.relay_role {
+            pg.batch_execute(&format!("GRANT SELECT ON {table} TO \"{}\"", role.name))
+                .await
+                .unwrap();
+        }
+    }
+
+    /// The relay's config names a superuser from now on (a test of what
+    /// only an owner may do, or of tables `sql/role.sql` did not grant).
+    pub async fn relay_as_superuser(&mut self) {
+        let Some(role) = self.relay_role.take() else {
+            return;
+        };
+        let text = std::fs::read_to_string(&self.config).unwrap().replace(
+            &format!("url = \"{}\"", role.url),
+            &format!("url = \"{}\"", self.pg_url),
+        );
+        std::fs::write(&self.config, text).unwrap();
+        role.drop(&pg_connect_retry_to(&self.pg_url).await).await;
     }
 
     pub fn config_text(&self, rabbitmq_extra: &str) -> String {
@@ -186,7 +225,7 @@ routing_key = "{{aggregate_type}}.{{event_type}}"
 [http]
 listen = "127.0.0.1:0"
 "#,
-            pg = self.pg_url,
+            pg = self.relay_pg_url(),
             amqp = match &self.amqp_urls[..] {
                 [one] => toml::Value::String(one.clone()),
                 many => toml::Value::Array(
@@ -202,10 +241,20 @@ listen = "127.0.0.1:0"
         )
     }
 
-    /// `outbox-relay <sub> --config <file>`.
+    /// The PostgreSQL URL the relay's config names.
+    pub fn relay_pg_url(&self) -> &str {
+        self.relay_role.as_ref().map_or(&self.pg_url, |r| &r.url)
+    }
+
+    /// `outbox-relay <sub> --config <file>`; `setup` and `prune` (which
+    /// change the schema or delete rows) as the superuser, as an operator
+    /// would run them.
     pub fn relay_cmd(&self, sub: &str) -> Command {
         let mut c = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
         c.arg(sub).arg("--config").arg(&self.config);
+        if matches!(sub, "setup" | "prune") {
+            c.env("OUTBOX_RELAY_POSTGRES_URL", &self.pg_url);
+        }
         c.env(
             "OUTBOX_RELAY_LOG",
             std::env::var("TEST_RELAY_LOG").unwrap_or_else(|_| "info,outbox_relay=debug".into()),
@@ -454,7 +503,7 @@ listen = "127.0.0.1:0"
     /// (`integration/servers.sh`: no replication line for it). Dropped with
     /// [`RelayRole::drop`].
     pub fn least_privilege_role(&self) -> RelayRole {
-        let name = self.scoped("role");
+        let name = self.scoped(&format!("role{}", COUNTER.fetch_add(1, Ordering::SeqCst)));
         let password = format!("Pw-{}-NotInLogs", std::process::id());
         let out = Command::new("psql")
             .arg(&self.pg_url)
@@ -525,6 +574,9 @@ listen = "127.0.0.1:0"
                     ExchangeDeleteOptions::default(),
                 )
                 .await;
+        }
+        if let Some(role) = self.relay_role {
+            role.drop(&pg).await;
         }
     }
 }
