@@ -294,11 +294,17 @@ impl<'a> Producer<'a> {
             }
             Tx::Big(n) => {
                 let t = w.tables[0].clone();
-                let ty = w.aggregate_type(self.rng.below(2) as usize);
+                // Over two aggregate types, so over two partitions of a
+                // partitioned outbox: one transaction's rows share their
+                // created_at there, and partitions filling in step share
+                // ctids (what a resumed recovery must tell apart).
+                let k = self.rng.below(2) as usize;
+                let (ty0, ty1) = (w.aggregate_type(k), w.aggregate_type(1 - k));
                 let salt = self.rng.next_u64();
                 pg.batch_execute(&format!(
                     "WITH e AS (INSERT INTO {t} (id, aggregate_type, aggregate_id, event_type, payload) \
-                     SELECT md5('{salt}-' || g)::uuid, '{ty}', 'a' || (g % {AGGREGATES}), 'big', jsonb_build_object('g', g) \
+                     SELECT md5('{salt}-' || g)::uuid, CASE WHEN g % 2 = 0 THEN '{ty0}' ELSE '{ty1}' END, \
+                     'a' || (g % {AGGREGATES}), 'big', jsonb_build_object('g', g) \
                      FROM generate_series(1, {n}) g RETURNING id::text, aggregate_id) \
                      INSERT INTO {rec} SELECT * FROM e",
                     rec = w.record
