@@ -344,7 +344,8 @@ pub async fn inflict(
             }
         }
         Fault::DropSlot { kill } => {
-            const STARTED: &str = "recovery recorded";
+            // Not "finishing the recovery recorded earlier": a new one.
+            const STARTED: &str = "recover: recovery recorded window=";
             let recoveries = |s: &Supervisor| {
                 s.relay
                     .as_ref()
@@ -387,6 +388,9 @@ pub async fn inflict(
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                if Instant::now() >= end {
+                    eprintln!("checker: drop-slot: no recovery started within 30 s, so no kill");
                 }
             }
         }

@@ -168,7 +168,7 @@ pub enum Fault {
     /// The relay's slot dropped under it (`on_slot_lost = "recover"`);
     /// with `kill`, the relay is killed (`kill -9`, restarted at once)
     /// that many ms into the recovery that follows, so that a recovery is
-    /// resumed from its record.
+    /// resumed from its record (saved each second, hence up to 4 s).
     DropSlot {
         kill: Option<u32>,
     },
@@ -335,7 +335,7 @@ fn fault(r: &mut Rng, setup: &Setup) -> Fault {
                 ms: r.range(500, 8000) as u32,
             },
             9 => Fault::DropSlot {
-                kill: r.one_in(2).then(|| r.range(0, 1500) as u32),
+                kill: r.one_in(2).then(|| r.range(0, 4000) as u32),
             },
             10 => Fault::Stall {
                 pg: r.one_in(2),

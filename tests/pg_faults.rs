@@ -423,11 +423,13 @@ async fn relay_role_with_timeout(
     .await
     .unwrap();
     let text = std::fs::read_to_string(&fx.config).unwrap();
-    let url = pg_url();
+    let url = fx.relay_pg_url();
     let (_, after_scheme) = url.split_once("://").unwrap();
     let (_, host) = after_scheme.split_once('@').unwrap();
     let role_url = format!("postgres://{role}:{name}-pw@{host}");
-    std::fs::write(&fx.config, text.replace(&url, &role_url)).unwrap();
+    let changed = text.replace(url, &role_url);
+    assert_ne!(changed, text, "the config does not name {url}");
+    std::fs::write(&fx.config, changed).unwrap();
     role
 }
 

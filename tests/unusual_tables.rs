@@ -204,10 +204,13 @@ async fn a_transaction_open_across_the_remedy_is_republished() {
     let mut f = Fixture::new("openremedy").await;
     let (pg, mut relay) = f.streaming().await;
     let drop = format!("DROP TABLE {}", f.table);
-    pg.batch_execute(&format!("{drop}; {}", outbox_ddl(&f)))
-        .await
-        .unwrap();
-    f.grant_to_relay(&pg, &f.table).await;
+    pg.batch_execute(&format!(
+        "{drop}; {} {}",
+        outbox_ddl(&f),
+        f.grant_sql(&f.table)
+    ))
+    .await
+    .unwrap();
     let before = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
     let other = f.scoped("other");
     pg.batch_execute(&format!(
@@ -277,10 +280,13 @@ async fn a_transaction_open_across_the_remedy_is_republished() {
 /// them.
 async fn replaced_outbox_stops_the_relay(mut f: Fixture, away: &str, said: &str) {
     let (pg, mut relay) = f.streaming().await;
-    pg.batch_execute(&format!("{away}; {}", outbox_ddl(&f)))
-        .await
-        .unwrap();
-    f.grant_to_relay(&pg, &f.table).await;
+    pg.batch_execute(&format!(
+        "{away}; {} {}",
+        outbox_ddl(&f),
+        f.grant_sql(&f.table)
+    ))
+    .await
+    .unwrap();
     let recreated = wal_insert_lsn(&pg).await;
     let mut ids = Vec::new();
     for i in 0..30 {

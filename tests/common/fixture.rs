@@ -19,6 +19,9 @@ use super::*;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// The advisory lock that makes and drops relay roles one at a time.
+const ROLE_LOCK: i64 = 7_140_371;
+
 /// One message as a consumer saw it.
 #[derive(Debug, Clone)]
 pub struct Received {
@@ -184,11 +187,15 @@ impl Fixture {
     /// What an operator does for a table the relay's role was not granted
     /// (a new outbox, or one created again): `GRANT SELECT` to the role.
     pub async fn grant_to_relay(&self, pg: &Client, table: &str) {
-        if let Some(role) = &self.relay_role {
-            pg.batch_execute(&format!("GRANT SELECT ON {table} TO \"{}\"", role.name))
-                .await
-                .unwrap();
-        }
+        pg.batch_execute(&self.grant_sql(table)).await.unwrap();
+    }
+
+    /// [`Fixture::grant_to_relay`]'s statement (none for a superuser), to
+    /// run in the transaction that creates the table.
+    pub fn grant_sql(&self, table: &str) -> String {
+        self.relay_role.as_ref().map_or(String::new(), |role| {
+            format!("GRANT SELECT ON {table} TO \"{}\";", role.name)
+        })
     }
 
     /// The relay's config names a superuser from now on (a test of what
@@ -505,9 +512,13 @@ listen = "127.0.0.1:0"
     pub fn least_privilege_role(&self) -> RelayRole {
         let name = self.scoped(&format!("role{}", COUNTER.fetch_add(1, Ordering::SeqCst)));
         let password = format!("Pw-{}-NotInLogs", std::process::id());
+        // One at a time, in one transaction: parallel tests' GRANTs on the
+        // same database and checkpoint table (and DROP OWNED) otherwise
+        // fail with "tuple concurrently updated", or deadlock.
         let out = Command::new("psql")
             .arg(&self.pg_url)
-            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+            .args(["-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"])
+            .args(["-c", &format!("SELECT pg_advisory_xact_lock({ROLE_LOCK})")])
             .args(["-v", &format!("relay_password={password}")])
             .args(["-v", &format!("relay_role={name}")])
             .args(["-v", &format!("slot={}", self.slot)])
@@ -693,11 +704,16 @@ pub struct RelayRole {
 impl RelayRole {
     /// Drops the role, its grants and its checkpoint policy.
     pub async fn drop(self, pg: &Client) {
-        let _ = pg
+        if let Err(e) = pg
             .batch_execute(&format!(
-                "DROP OWNED BY \"{0}\"; DROP ROLE \"{0}\"",
+                "BEGIN; SELECT pg_advisory_xact_lock({ROLE_LOCK}); \
+                 DROP OWNED BY \"{0}\"; DROP ROLE \"{0}\"; COMMIT",
                 self.name
             ))
-            .await;
+            .await
+        {
+            eprintln!("dropping role {}: {e}", self.name);
+            let _ = pg.batch_execute("ROLLBACK").await;
+        }
     }
 }
