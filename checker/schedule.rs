@@ -168,9 +168,12 @@ pub enum Fault {
     /// The relay's slot dropped under it (`on_slot_lost = "recover"`);
     /// with `kill`, the relay is killed (`kill -9`, restarted at once)
     /// that many ms into the recovery that follows, so that a recovery is
-    /// resumed from its record (saved each second, hence up to 4 s).
+    /// resumed from its record (saved each second, hence up to 4 s);
+    /// `graceful`: stopped by SIGTERM instead (a deploy), which records
+    /// the last confirmed row exactly.
     DropSlot {
         kill: Option<u32>,
+        graceful: bool,
     },
     /// The proxy in front of PostgreSQL (`pg`) or RabbitMQ stops moving
     /// bytes for `ms`, connections open.
@@ -334,9 +337,13 @@ fn fault(r: &mut Rng, setup: &Setup) -> Fault {
             8 => Fault::StopWalsender {
                 ms: r.range(500, 8000) as u32,
             },
-            9 => Fault::DropSlot {
-                kill: r.one_in(2).then(|| r.range(0, 4000) as u32),
-            },
+            9 => {
+                let kill = r.one_in(2).then(|| r.range(0, 4000) as u32);
+                Fault::DropSlot {
+                    kill,
+                    graceful: kill.is_some() && r.one_in(2),
+                }
+            }
             10 => Fault::Stall {
                 pg: r.one_in(2),
                 ms: r.range(200, 8000) as u32,
@@ -443,8 +450,15 @@ impl fmt::Display for Fault {
             Fault::PgRestart => write!(f, "pg-restart"),
             Fault::TerminateWalsender => write!(f, "terminate-walsender"),
             Fault::StopWalsender { ms } => write!(f, "stop-walsender {ms}"),
-            Fault::DropSlot { kill: None } => write!(f, "drop-slot"),
-            Fault::DropSlot { kill: Some(ms) } => write!(f, "drop-slot kill {ms}"),
+            Fault::DropSlot { kill: None, .. } => write!(f, "drop-slot"),
+            Fault::DropSlot {
+                kill: Some(ms),
+                graceful,
+            } => write!(
+                f,
+                "drop-slot {} {ms}",
+                if *graceful { "term" } else { "kill" }
+            ),
             Fault::Stall { pg, ms } => write!(f, "stall {} {ms}", side(*pg)),
             Fault::Cut { pg } => write!(f, "cut {}", side(*pg)),
             Fault::HalfClose { pg } => write!(f, "half-close {}", side(*pg)),
@@ -585,12 +599,20 @@ fn parse_fault(w: &[&str]) -> Option<Fault> {
         "pg-restart" => Fault::PgRestart,
         "terminate-walsender" => Fault::TerminateWalsender,
         "stop-walsender" => Fault::StopWalsender { ms: n(1)? },
-        "drop-slot" => Fault::DropSlot {
-            kill: match w.get(1) {
-                None => None,
-                Some(&"kill") => Some(n(2)?),
-                Some(_) => return None,
+        "drop-slot" => match w.get(1) {
+            None => Fault::DropSlot {
+                kill: None,
+                graceful: false,
             },
+            Some(&"kill") => Fault::DropSlot {
+                kill: Some(n(2)?),
+                graceful: false,
+            },
+            Some(&"term") => Fault::DropSlot {
+                kill: Some(n(2)?),
+                graceful: true,
+            },
+            Some(_) => return None,
         },
         "stall" => Fault::Stall {
             pg: pg(1)?,
