@@ -265,11 +265,7 @@ pub async fn inflict(
                 r.kill9();
             }
             ms(*down).await;
-            let mut s = sup.lock().unwrap();
-            if s.relay.is_none() {
-                s.relay = Some(w.spawn_relay());
-                s.starts += 1;
-            }
+            respawn(w, sup);
         }
         Fault::Pause { ms: m } => {
             let pid = sup.lock().unwrap().pid();
@@ -461,6 +457,15 @@ async fn ddl(sql: &str) -> Result<(), String> {
         .map_err(|e| format!("DDL {sql:?}: {e}"))
 }
 
+/// A relay again, unless one runs.
+fn respawn(w: &World, sup: &Mutex<Supervisor>) {
+    let mut s = sup.lock().unwrap();
+    if s.relay.is_none() {
+        s.relay = Some(w.spawn_relay());
+        s.starts += 1;
+    }
+}
+
 /// SIGTERM to the relay (as a deploy or `systemctl restart` sends), then
 /// a new one at once. Not stopped within 30 s is a failure.
 async fn stop_gracefully(w: &World, sup: &Mutex<Supervisor>) -> Result<(), String> {
@@ -479,11 +484,7 @@ async fn stop_gracefully(w: &World, sup: &Mutex<Supervisor>) -> Result<(), Strin
             r.kill9();
         }
     }
-    let mut s = sup.lock().unwrap();
-    if s.relay.is_none() {
-        s.relay = Some(w.spawn_relay());
-        s.starts += 1;
-    }
+    respawn(w, sup);
     match hung {
         Some(log) => Err(format!(
             "HANG: the relay did not stop within 30 s of SIGTERM; log:\n{log}"

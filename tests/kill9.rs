@@ -129,20 +129,7 @@ async fn a_kill_soon_after_the_confirms_replays_nothing() {
         relay = fx.spawn_relay();
     }
     // A replay of the last round shows within the settle time.
-    let last = fx
-        .insert(&pg, "k", "last", "e", &serde_json::json!({}))
-        .await;
-    all.extend(
-        fx.collect_until(
-            std::slice::from_ref(&last),
-            Duration::from_secs(60),
-            Duration::from_secs(2),
-            Some(&relay),
-        )
-        .await,
-    );
-    let counts = count_by_id(&all);
-    let again: Vec<&String> = sent.iter().filter(|id| counts[*id] > 1).collect();
+    let again = fx.sent_again(&pg, &sent, &mut all, &relay).await;
     assert!(
         again.is_empty(),
         "{} of {} events sent again after a kill 0.4 s past their confirms; log:\n{}",

@@ -216,20 +216,7 @@ async fn restarts_replay_nothing_already_confirmed() {
     }
     // Long enough for a replay to show.
     let pg = pg_connect_retry().await;
-    let last = fx
-        .insert(&pg, "r", "last", "e", &serde_json::json!({}))
-        .await;
-    all.extend(
-        fx.collect_until(
-            std::slice::from_ref(&last),
-            Duration::from_secs(60),
-            Duration::from_secs(2),
-            Some(&relay),
-        )
-        .await,
-    );
-    let counts = count_by_id(&all);
-    let again: Vec<&String> = sent.iter().filter(|id| counts[*id] > 1).collect();
+    let again = fx.sent_again(&pg, &sent, &mut all, &relay).await;
     let log = relay.log_tail();
     println!(
         "replayed after the restarts: {} of {} events; resumed past the slot: {}",

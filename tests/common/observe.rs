@@ -12,6 +12,32 @@ use tokio_postgres::types::FromSqlOwned;
 use super::*;
 
 impl Fixture {
+    /// Writes one last event and collects (into `all`) until it arrives
+    /// and 2 s more, long enough for a replay to show; returns the events
+    /// of `sent` that arrived more than once.
+    pub async fn sent_again(
+        &mut self,
+        pg: &Client,
+        sent: &[String],
+        all: &mut Vec<Received>,
+        relay: &Relay,
+    ) -> Vec<String> {
+        let last = self
+            .insert(pg, "r", "last", "e", &serde_json::json!({}))
+            .await;
+        all.extend(
+            self.collect_until(
+                std::slice::from_ref(&last),
+                Duration::from_secs(60),
+                Duration::from_secs(2),
+                Some(relay),
+            )
+            .await,
+        );
+        let counts = count_by_id(all);
+        sent.iter().filter(|id| counts[*id] > 1).cloned().collect()
+    }
+
     /// Waits for the relay process to exit by itself; returns status and stderr.
     pub fn wait_exit(relay: &mut Relay, within: Duration) -> (std::process::ExitStatus, String) {
         let status = wait_timeout(&mut relay.child, within).unwrap_or_else(|| {
