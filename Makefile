@@ -56,10 +56,9 @@ clean: ## Remove build artifacts
 # The whole-system checker (checker/): `make test` runs its fixed seeds;
 # these run more of it against servers of their own.
 SOAK_SECONDS ?= 3600
-soak: ## Checker: random seeds for SOAK_SECONDS -> target/checker/soak.md
-	$(SERVERS) install
-	cargo test --test checker --no-run
-	SOAK_SECONDS=$(SOAK_SECONDS) $(SERVERS) with cargo test --test checker
+SOAK_LANES ?= 1
+soak: ## Checker: random seeds for SOAK_SECONDS (SOAK_LANES at once) -> target/checker/soak.md
+	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_LANES=$(SOAK_LANES) integration/soak.sh
 
 check-seed: ## Checker: replay one seed (SEED=n) or a schedule file (SCHEDULE=path)
 	$(SERVERS) install

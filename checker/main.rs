@@ -21,7 +21,8 @@
 //! producer), `CHECK_FAULTS` (6). `CHECK_RELAY_BIN` runs another build of
 //! the relay (a defect put back on a scratch branch). `CHECK_KEEP=1` keeps
 //! each run's relay logs in `target/checker/run-<seed>-<prefix>/`, passed
-//! or not (a failed run's are always kept).
+//! or not (a failed run's are always kept). `CHECK_OUT=<dir>` puts all of
+//! that in `<dir>` instead of `target/checker/`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -108,8 +109,13 @@ async fn async_main() -> bool {
     ok
 }
 
-fn out_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/checker")
+/// Where reports, shrunk schedules and kept logs go: `CHECK_OUT`, else
+/// `target/checker` (two soaks at once each need their own).
+pub fn out_dir() -> std::path::PathBuf {
+    set("CHECK_OUT").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/checker"),
+        std::path::PathBuf::from,
+    )
 }
 
 /// The kept schedules of `checker/regressions/`.

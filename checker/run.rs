@@ -288,8 +288,7 @@ async fn run(s: &Schedule) -> Report {
     .await;
     if report.failed() || std::env::var("CHECK_KEEP").is_ok_and(|v| v != "0") {
         // The relay's logs and config, for the failure (or when asked).
-        let kept = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(format!("target/checker/run-{}-{}", s.seed, w.p));
+        let kept = crate::out_dir().join(format!("run-{}-{}", s.seed, w.p));
         let _ = std::fs::create_dir_all(&kept);
         for f in std::fs::read_dir(w.dir.path())
             .into_iter()
