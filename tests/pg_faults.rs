@@ -443,10 +443,16 @@ async fn sent_lsn(pg: &tokio_postgres::Client, pid: i32) -> Option<String> {
 
 /// Rows of the bulk transaction in
 /// [`a_busy_walsender_is_not_taken_for_a_dead_one`]. Replaying them takes
-/// 1 to 2.5 s a million here, depending on the load; the walsender runs a
-/// third of the time during the replay (a slow server), so that it lasts
-/// well over `wal_sender_timeout` (25 s) however fast the machine.
+/// 0.5 to 2.5 s a million, depending on the machine and its load (CI's
+/// machine did 12 million in about 6 s, so at a third of the time, 18 s:
+/// too short); the walsender runs a sixth of the time during the replay (a
+/// slow server, [`BULK_STOPPED`]), so that it lasts well over
+/// `wal_sender_timeout` (25 s) however fast the machine.
 const BULK_ROWS: i64 = 12_000_000;
+
+/// How long the walsender stands stopped in each cycle of the throttle in
+/// [`a_busy_walsender_is_not_taken_for_a_dead_one`]; it then runs 50 ms.
+const BULK_STOPPED: Duration = Duration::from_millis(250);
 
 /// While PostgreSQL replays, at its commit, a large transaction whose
 /// changes are all on a table the publication does not cover, nothing
@@ -497,13 +503,13 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     pg.batch_execute("COMMIT").await.unwrap();
-    // A slow server: the walsender runs 50 ms of every 150 (it stays a live
+    // A slow server: the walsender runs 50 ms of every 300 (it stays a live
     // process that reads, on its own clock, what the relay sends).
     let throttle = tokio::spawn(async move {
         let _cont = Cont(walsender as u32);
         loop {
             signal(walsender as u32, "STOP");
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(BULK_STOPPED).await;
             signal(walsender as u32, "CONT");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -560,7 +566,7 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
         got.iter().any(|r| r.message_id() == at_end),
         "the outbox row at the end of the bulk transaction"
     );
-    // Otherwise this test proved nothing: raise BULK_ROWS.
+    // Otherwise this test proved nothing: raise BULK_ROWS or BULK_STOPPED.
     assert!(
         replay > Duration::from_secs(25),
         "sent_lsn stood still for {replay:?} only, less than wal_sender_timeout: too short to test \
