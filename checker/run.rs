@@ -168,10 +168,15 @@ async fn run(s: &Schedule) -> Report {
 
     // Drain: the supervisor still restarts a relay that stops.
     let drain = Instant::now();
+    // Only a lost slot starts a recovery, which a SIGTERM may stop half way.
+    let slot_lost = s
+        .faults
+        .iter()
+        .any(|(_, f)| matches!(f, Fault::DropSlot { .. }));
     let sup_done = CancellationToken::new();
     let d = tokio::join!(
         async {
-            let r = drain_until_complete(&w, &consumer).await;
+            let r = drain_until_complete(&w, &consumer, &sup).await;
             sup_done.cancel();
             r
         },
@@ -186,7 +191,7 @@ async fn run(s: &Schedule) -> Report {
         Err(e) => {
             // No record, no verdict: the run counts as failed, for that.
             report.failures.push(format!("no verdict: {e}"));
-            sup.lock().unwrap().stop();
+            sup.lock().unwrap().stop(slot_lost);
             consumer.stop();
             w.cleanup().await;
             report.wall_secs = started.elapsed().as_secs_f64();
@@ -195,9 +200,11 @@ async fn run(s: &Schedule) -> Report {
     };
     let last_commit = record.iter().map(|c| c.commit).max().unwrap_or(Lsn(0));
     let bound = format!(
-        "{:.0}s ({DRAIN_BOUND:?}, plus the {:.1}s the observer slot took to decode the run's WAL)",
+        "{:.0}s ({DRAIN_BOUND:?}, plus the {:.1}s the observer slot took to decode the run's WAL, \
+         plus {:.1}s of the operator's remedies)",
         d.bound.as_secs_f64(),
-        d.read.as_secs_f64()
+        d.read.as_secs_f64(),
+        d.remedy.as_secs_f64()
     );
     if d.drained.is_none() {
         report.failures.push(format!(
@@ -276,7 +283,7 @@ async fn run(s: &Schedule) -> Report {
     latencies(&mut report, &produced, &got);
 
     let mut sv = sup.into_inner().unwrap();
-    sv.stop();
+    sv.stop(slot_lost);
     report.failures.append(&mut sv.failures);
     report.peak_rss = sv.peak_rss;
     if sv.peak_rss > RSS_BOUND {
@@ -322,18 +329,27 @@ struct Drained {
     /// from the start, as the consumer's and the slot's timestamps say;
     /// `None`: not within `bound`.
     drained: Option<Duration>,
-    /// [`DRAIN_BOUND`] plus `read`.
+    /// [`DRAIN_BOUND`] plus `read` plus `remedy`.
     bound: Duration,
+    /// Spent in the operator's remedies during the drain (the relay stands
+    /// stopped meanwhile, as documented).
+    remedy: Duration,
     /// Spent waiting for the run's statements to end, and reading the record.
     writers: Duration,
     read: Duration,
 }
 
-/// Waits (at most [`DRAIN_BOUND`] plus the record's decoding) until every
-/// committed event was delivered or dead-lettered and the slot passed the
-/// last commit.
-async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
+/// Waits (at most [`DRAIN_BOUND`] plus the record's decoding, plus the
+/// time remedies take meanwhile) until every committed event was delivered
+/// or dead-lettered and the slot passed the last commit.
+async fn drain_until_complete(
+    w: &World,
+    consumer: &Consumer,
+    sup: &std::sync::Mutex<Supervisor>,
+) -> Drained {
     let start = Instant::now();
+    let remedied = sup.lock().unwrap().remedy_time();
+    let remedy = || sup.lock().unwrap().remedy_time().saturating_sub(remedied);
     let end = start + DRAIN_BOUND;
     // A connection of its own: a fault may have closed any earlier one.
     let pg = &pg_connect_retry().await;
@@ -407,17 +423,19 @@ async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
         );
     }
     // Looked at until the bound, and once at least after the read.
-    let bound = DRAIN_BOUND + read;
-    let until = (start + bound).max(read_done + Duration::from_secs(1));
-    let seen = |record, confirmed, drained| Drained {
+    let seen = |record, confirmed, drained, remedy: Duration| Drained {
         record,
         confirmed,
         drained,
-        bound,
+        bound: DRAIN_BOUND + read + remedy,
+        remedy,
         writers,
         read,
     };
     loop {
+        let spent = remedy();
+        let bound = DRAIN_BOUND + read + spent;
+        let until = (start + bound).max(read_done + Duration::from_secs(1));
         let pg = pg_connect_retry().await;
         if let Some(l) = slot_position(&pg, &w.slot).await {
             samples.push((Instant::now(), l));
@@ -438,11 +456,11 @@ async fn drain_until_complete(w: &World, consumer: &Consumer) -> Drained {
                 .try_fold(start, |m, t| t.map(|t| m.max(t)));
             if let (Some(p), Some(d)) = (passed, delivered) {
                 let at = p.max(d) - start;
-                return seen(record, confirmed, (at <= bound).then_some(at));
+                return seen(record, confirmed, (at <= bound).then_some(at), spent);
             }
         }
         if Instant::now() >= until {
-            return seen(record, confirmed, None);
+            return seen(record, confirmed, None, spent);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         if record.is_err() {
