@@ -179,6 +179,8 @@ fn cut_off(out: &str) -> bool {
                 "broken pipe",
                 "unexpected eof",
                 "the database system is",
+                // 57P01: a server shutting down (pg-restart) ends sessions so.
+                "terminating connection due to administrator command",
             ]
             .iter()
             .any(|s| out.contains(s)))
