@@ -120,15 +120,15 @@ impl Supervisor {
 /// logs its confirmed count every 5 s).
 const RECOVERY_PATIENCE: Duration = Duration::from_secs(30);
 
+/// The relay's log line of a new recovery.
+const STARTED: &str = "recover: recovery recorded window=";
+
 /// Whether the log's last recovery (begun or resumed) has not ended.
 fn recovering(log: &str) -> bool {
-    let began = [
-        "recover: recovery recorded window=",
-        "finishing the recovery recorded earlier",
-    ]
-    .iter()
-    .filter_map(|m| log.rfind(m))
-    .max();
+    let began = [STARTED, "finishing the recovery recorded earlier"]
+        .iter()
+        .filter_map(|m| log.rfind(m))
+        .max();
     began.is_some_and(|b| log.rfind("recovery complete").is_none_or(|e| e < b))
 }
 
@@ -449,7 +449,6 @@ pub async fn inflict(
         }
         Fault::DropSlot { kill, graceful } => {
             // Not "finishing the recovery recorded earlier": a new one.
-            const STARTED: &str = "recover: recovery recorded window=";
             let recoveries = |s: &Supervisor| {
                 s.relay
                     .as_ref()
