@@ -28,6 +28,11 @@ pub struct Supervisor {
     remedying: Option<Instant>,
     /// Time spent in remedies so far, the running one excluded.
     remedied: Duration,
+    /// A `drop-slot` found no checkpoint with a commit time recorded for
+    /// the slot (the relay had confirmed nothing yet), so the relay's
+    /// documented answer is "no checkpoint recorded ... republish
+    /// --since", not a recovery.
+    pub dropped_unrecorded: bool,
 }
 
 impl Supervisor {
@@ -41,6 +46,7 @@ impl Supervisor {
             owed: None,
             remedying: None,
             remedied: Duration::ZERO,
+            dropped_unrecorded: false,
         })
     }
 
@@ -289,6 +295,24 @@ pub async fn supervise(
     }
 }
 
+/// Whether the relay has recorded a checkpoint with a commit time for
+/// `slot`, the one thing a recovery of a lost slot starts from. A missing
+/// table (the relay has not made it yet) is no checkpoint; any other
+/// error counts as one, so that it can never excuse a stop.
+async fn checkpoint_recorded(pg: &tokio_postgres::Client, slot: &str) -> bool {
+    match pg
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM outbox_relay_checkpoint \
+             WHERE slot_name = $1 AND last_commit_time IS NOT NULL)",
+            &[&slot],
+        )
+        .await
+    {
+        Ok(row) => row.get(0),
+        Err(e) => e.code() != Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE),
+    }
+}
+
 fn tail(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
@@ -456,6 +480,12 @@ pub async fn inflict(
             };
             let before = recoveries(&sup.lock().unwrap());
             let pg = pg_connect_retry().await;
+            // Read before the drop: a checkpoint the relay writes after
+            // the read only makes its recovery possible, while one read
+            // here is never taken back, so "none" can only be too strict.
+            if !checkpoint_recorded(&pg, &w.slot).await {
+                sup.lock().unwrap().dropped_unrecorded = true;
+            }
             let end = Instant::now() + Duration::from_secs(10);
             while Instant::now() < end {
                 let _ = pg
