@@ -28,11 +28,11 @@ pub struct Supervisor {
     remedying: Option<Instant>,
     /// Time spent in remedies so far, the running one excluded.
     remedied: Duration,
-    /// A `drop-slot` found no checkpoint with a commit time recorded for
-    /// the slot (the relay had confirmed nothing yet), so the relay's
-    /// documented answer is "no checkpoint recorded ... republish
-    /// --since", not a recovery.
-    pub dropped_unrecorded: bool,
+    /// How many `drop-slot`s found no checkpoint with a commit time
+    /// recorded for the slot (the relay had confirmed nothing yet): each
+    /// explains one documented "no checkpoint recorded ... republish
+    /// --since" stop, never more.
+    pub dropped_unrecorded: usize,
 }
 
 impl Supervisor {
@@ -46,7 +46,7 @@ impl Supervisor {
             owed: None,
             remedying: None,
             remedied: Duration::ZERO,
-            dropped_unrecorded: false,
+            dropped_unrecorded: 0,
         })
     }
 
@@ -302,7 +302,7 @@ pub async fn supervise(
 async fn checkpoint_recorded(pg: &tokio_postgres::Client, slot: &str) -> bool {
     match pg
         .query_one(
-            "SELECT EXISTS (SELECT 1 FROM outbox_relay_checkpoint \
+            "SELECT EXISTS (SELECT 1 FROM public.outbox_relay_checkpoint \
              WHERE slot_name = $1 AND last_commit_time IS NOT NULL)",
             &[&slot],
         )
@@ -484,7 +484,7 @@ pub async fn inflict(
             // the read only makes its recovery possible, while one read
             // here is never taken back, so "none" can only be too strict.
             if !checkpoint_recorded(&pg, &w.slot).await {
-                sup.lock().unwrap().dropped_unrecorded = true;
+                sup.lock().unwrap().dropped_unrecorded += 1;
             }
             let end = Instant::now() + Duration::from_secs(10);
             while Instant::now() < end {

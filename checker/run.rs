@@ -249,11 +249,16 @@ async fn run(s: &Schedule) -> Report {
     // only such a drop explains.
     {
         let sv = sup.lock().unwrap();
+        let mut unrecorded = sv.dropped_unrecorded;
         for remedy in &sv.remedies {
             let caused = |f: fn(&Fault) -> bool| s.faults.iter().any(|(_, x)| f(x));
-            let ok = if remedy.contains("outbox-relay republish") {
+            let ok = if remedy.contains("no checkpoint recorded for slot") {
+                // Only a slot dropped before any checkpoint: one stop each.
+                let explained = unrecorded > 0;
+                unrecorded = unrecorded.saturating_sub(1);
+                explained
+            } else if remedy.contains("outbox-relay republish") {
                 caused(|f| matches!(f, Fault::Recreate))
-                    || (remedy.contains("no checkpoint recorded for slot") && sv.dropped_unrecorded)
             } else if remedy.contains("outbox-relay recover") {
                 caused(|f| matches!(f, Fault::DropSlot { .. }))
             } else {
