@@ -483,9 +483,7 @@ pub async fn inflict(
             // Read before the drop: a checkpoint the relay writes after
             // the read only makes its recovery possible, while one read
             // here is never taken back, so "none" can only be too strict.
-            if !checkpoint_recorded(&pg, &w.slot).await {
-                sup.lock().unwrap().dropped_unrecorded += 1;
-            }
+            let unrecorded = !checkpoint_recorded(&pg, &w.slot).await;
             let end = Instant::now() + Duration::from_secs(10);
             while Instant::now() < end {
                 let _ = pg
@@ -500,6 +498,10 @@ pub async fn inflict(
                     .await
                     .is_ok()
                 {
+                    // Only a drop that happened explains a stop.
+                    if unrecorded {
+                        sup.lock().unwrap().dropped_unrecorded += 1;
+                    }
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
