@@ -79,6 +79,11 @@ fn main() {
 
 async fn async_main() -> bool {
     std::fs::create_dir_all(out_dir()).unwrap();
+    // A judge that cannot fail proves nothing: it is shown wrong runs first.
+    if let Err(e) = oracle::self_check() {
+        eprintln!("checker: the oracle passed a run it must fail: {e}");
+        return false;
+    }
     if let Some(path) = set("CHECK_SCHEDULE") {
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         let s: Schedule = text.parse().unwrap_or_else(|e| panic!("{path}: {e}"));

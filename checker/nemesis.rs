@@ -24,6 +24,28 @@ pub struct Supervisor {
     /// When the outbox table was last dropped and created again
     /// (`recreate`), while no remedy begun after it has succeeded.
     owed: Option<Instant>,
+    /// The database's time from which rows of the re-created table may
+    /// date (the oldest open transaction when it was re-created), for the
+    /// oldest re-creation no remedy has answered yet: what an operator
+    /// passes to `republish --since`, rather than the whole run.
+    owed_since: Option<String>,
+    /// The same, for the last re-creation (answered or not).
+    recreated_since: Option<String>,
+    /// Outbox tables re-created (`recreate` that committed): each explains
+    /// one documented stop naming `republish`, never more.
+    pub recreated: usize,
+    /// Slots dropped (`drop-slot` that succeeded): each explains one
+    /// recovery the relay starts by itself, never more, and only a drop
+    /// explains a refusal because a recovery runs.
+    pub dropped: usize,
+    /// When the first remedy began: the re-publication it starts goes by
+    /// `created_at`, not commit order, so first-delivery order is judged
+    /// before it only.
+    pub first_remedy: Option<Instant>,
+    /// Faults that end or refuse connections (server restarts, proxy cuts,
+    /// stalls, backends terminated), as (start, end): an operator's
+    /// command cut off is run again only if one of them explains it.
+    disruptions: Vec<(Instant, Option<Instant>)>,
     /// Since when a remedy runs, if one does.
     remedying: Option<Instant>,
     /// Time spent in remedies so far, the running one excluded.
@@ -44,6 +66,12 @@ impl Supervisor {
             starts: 1,
             remedies: Vec::new(),
             owed: None,
+            owed_since: None,
+            recreated_since: None,
+            recreated: 0,
+            dropped: 0,
+            first_remedy: None,
+            disruptions: Vec::new(),
             remedying: None,
             remedied: Duration::ZERO,
             dropped_unrecorded: 0,
@@ -120,6 +148,71 @@ impl Supervisor {
     fn pid(&self) -> Option<u32> {
         self.relay.as_ref().map(Relay::pid)
     }
+
+    /// The relay, taken from the supervisor to be killed, unless it has
+    /// exited already: then it stays, so that the supervisor judges its
+    /// exit (a kill must not hide a crash).
+    fn take_running(&mut self) -> Option<Relay> {
+        self.sample_rss();
+        match self.relay.as_mut().map(|r| r.child.try_wait()) {
+            Some(Ok(None)) => self.relay.take(),
+            _ => None,
+        }
+    }
+
+    /// Whether a disruption overlaps `[from - DISRUPTION_SLACK, to]`.
+    fn disrupted(&self, from: Instant, to: Instant) -> bool {
+        let from = from.checked_sub(DISRUPTION_SLACK).unwrap_or(from);
+        self.disruptions
+            .iter()
+            .any(|&(s, e)| s <= to && e.is_none_or(|e| e >= from))
+    }
+}
+
+/// How long after a disruption ends a command may still find a server
+/// coming up (the broker's listeners, PostgreSQL's recovery) or a proxy's
+/// connection dying.
+const DISRUPTION_SLACK: Duration = Duration::from_secs(15);
+
+/// Records a disruption over `f`'s run.
+async fn disruption<T>(sup: &Mutex<Supervisor>, f: impl Future<Output = T>) -> T {
+    let i = {
+        let mut s = sup.lock().unwrap();
+        s.disruptions.push((Instant::now(), None));
+        s.disruptions.len() - 1
+    };
+    let r = f.await;
+    sup.lock().unwrap().disruptions[i].1 = Some(Instant::now());
+    r
+}
+
+/// Processes the nemesis stopped (`SIGSTOP`) and has not let go yet: a run
+/// cut off by its bound lets them go ([`let_go`]), else a stopped
+/// walsender would hold its slot, and block `pg_ctl`, for every later run.
+static STOPPED: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+/// `SIGSTOP` to `pid` for `d`, then `SIGCONT`.
+async fn stopped_for(pid: u32, d: Duration) {
+    STOPPED.lock().unwrap().push(pid);
+    signal(pid, "STOP");
+    tokio::time::sleep(d).await;
+    signal(pid, "CONT");
+    STOPPED.lock().unwrap().retain(|p| *p != pid);
+}
+
+/// Undoes what a run cut off half way may have left in force: stopped
+/// processes, the broker stopped or under a memory alarm.
+pub async fn let_go() {
+    for pid in std::mem::take(&mut *STOPPED.lock().unwrap()) {
+        signal(pid, "CONT");
+    }
+    ctl_async(pg_ctl, &["start"]).await;
+    ctl_async(rabbitmq_ctl, &["start"]).await;
+    ctl_async(
+        rabbitmq_ctl,
+        &["ctl", "set_vm_memory_high_watermark", "0.4"],
+    )
+    .await;
 }
 
 /// How long a recovery under way at the end of a run is given to end (it
@@ -127,7 +220,7 @@ impl Supervisor {
 const RECOVERY_PATIENCE: Duration = Duration::from_secs(30);
 
 /// The relay's log line of a new recovery.
-const STARTED: &str = "recover: recovery recorded window=";
+pub const STARTED: &str = "recover: recovery recorded window=";
 
 /// Whether the log's last recovery (begun or resumed) has not ended.
 fn recovering(log: &str) -> bool {
@@ -193,15 +286,17 @@ fn cut_off(out: &str) -> bool {
 }
 
 /// Runs an operator's command as an operator would: one whose connection
-/// was cut (by the fault of the moment) is run again, 3 s apart, for up to
-/// [`PATIENCE`]; any other failure (a timeout included) is final. Returns
-/// whether it succeeded, and a line per run.
-async fn persist(w: &World, args: &[String]) -> (bool, Vec<String>) {
+/// was cut by a fault (one of the supervisor's disruptions, during the
+/// attempt or just before it) is run again, 3 s apart, for up to
+/// [`PATIENCE`]; any other failure (a timeout, a cut no fault explains) is
+/// final. Returns whether it succeeded, and a line per run.
+async fn persist(w: &World, sup: &Mutex<Supervisor>, args: &[String]) -> (bool, Vec<String>) {
     let began = Instant::now();
     let mut lines = Vec::new();
     for attempt in 1.. {
         let t = Instant::now();
         let out = run_cmd(w, args).await;
+        let explained = sup.lock().unwrap().disrupted(t, Instant::now());
         lines.push(format!(
             "operator: outbox-relay {} -> {out} ({:.1} s{})",
             args.join(" "),
@@ -216,6 +311,10 @@ async fn persist(w: &World, args: &[String]) -> (bool, Vec<String>) {
             return (true, lines);
         }
         if !cut_off(&out) || began.elapsed() >= PATIENCE {
+            return (false, lines);
+        }
+        if !explained {
+            lines.push("operator: no fault explains that cut: not run again".into());
             return (false, lines);
         }
         tokio::time::sleep(Duration::from_secs(3)).await;
@@ -249,16 +348,38 @@ pub async fn supervise(
         let Some((status, log)) = exited else {
             continue;
         };
-        let remedy = remedy_for(&log);
+        let remedy = {
+            let s = sup.lock().unwrap();
+            let since = s
+                .owed_since
+                .as_ref()
+                .or(s.recreated_since.as_ref())
+                .unwrap_or(&w.started_at);
+            remedy_for(&log, since, w)
+        };
         let said = log.lines().last().unwrap_or_default().to_owned();
+        // The relay's claim, checked: a slot lost before any checkpoint.
+        if said.contains("no checkpoint recorded for slot")
+            && checkpoint_recorded(&pg_connect_retry().await, &w.slot).await
+        {
+            sup.lock().unwrap().failures.push(format!(
+                "the relay stopped saying no checkpoint is recorded, but the checkpoint table \
+                 holds one for slot {}: {said}",
+                w.slot
+            ));
+        }
         match &remedy {
             Some(args) => {
                 let began = Instant::now();
-                sup.lock().unwrap().remedying = Some(began);
+                {
+                    let mut s = sup.lock().unwrap();
+                    s.remedying = Some(began);
+                    s.first_remedy.get_or_insert(began);
+                }
                 let mut all = vec![format!("relay exited {status}: {said}")];
                 let mut failed = None;
                 for a in args {
-                    let (ok, lines) = persist(w, a).await;
+                    let (ok, lines) = persist(w, sup, a).await;
                     all.extend(lines);
                     if !ok {
                         // The next command (republish after setup) would
@@ -277,7 +398,10 @@ pub async fn supervise(
                         .push(format!("the documented remedy failed: {f}")),
                     // A table re-created before this remedy began has had
                     // its remedy.
-                    None if s.owed.is_some_and(|t| t < began) => s.owed = None,
+                    None if s.owed.is_some_and(|t| t < began) => {
+                        s.owed = None;
+                        s.owed_since = None;
+                    }
                     None => {}
                 }
             }
@@ -318,31 +442,47 @@ fn tail(log: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
-/// The commands a documented stop names, as the operator runs them.
-fn remedy_for(log: &str) -> Option<Vec<Vec<String>>> {
+/// The commands a documented stop names, as the operator runs them. Where
+/// the stop leaves the time to the operator (`--since <time>`), the
+/// operator gives what they know: the start of the run for a slot lost
+/// before any checkpoint (nothing was confirmed), else `since`, from when
+/// the rows of the last re-created table may date, and that table.
+fn remedy_for(log: &str, since: &str, w: &World) -> Option<Vec<Vec<String>>> {
     let last = log.lines().rev().find(|l| !l.trim().is_empty())?;
     if let Some(i) = last.find("republish --since ") {
         let words: Vec<String> = last[i + "republish ".len()..]
             .split_whitespace()
-            .map(|w| w.trim_end_matches(['`', '.', ',', ')', '"']).to_owned())
+            .map(|x| x.trim_end_matches(['`', '.', ',', ')', '"']).to_owned())
             .collect();
         let mut args = vec!["republish".to_owned()];
         let mut it = words.into_iter();
-        while let Some(w) = it.next() {
-            if w == "--since" || w == "--table" {
-                let value = it.next().unwrap_or_default();
-                // A placeholder (`<time>`) is no time: the operator then
-                // republishes from when the run started.
-                if w == "--since" && !value.starts_with(|c: char| c.is_ascii_digit()) {
-                    args.push(w);
-                    args.push("{started_at}".into());
-                    continue;
-                }
-                args.push(w);
-                args.push(value);
-            } else {
+        let mut chose = false;
+        while let Some(word) = it.next() {
+            if word != "--since" && word != "--table" {
                 break;
             }
+            let value = it.next().unwrap_or_default();
+            args.push(word.clone());
+            // A placeholder (`<time>`, `TIME`) is no time: the operator
+            // picks one.
+            if word == "--since" && !value.starts_with(|c: char| c.is_ascii_digit()) {
+                chose = true;
+                if last.contains("no checkpoint recorded for slot") {
+                    args.push("{started_at}".into());
+                } else {
+                    args.push(since.to_owned());
+                }
+            } else {
+                args.push(value);
+            }
+        }
+        // The re-created table, the only one whose rows the stream missed.
+        if chose
+            && since != w.started_at
+            && w.tables.len() > 1
+            && !args.iter().any(|a| a == "--table")
+        {
+            args.extend(["--table".into(), w.tables[0].clone()]);
         }
         return Some(vec![vec!["setup".into()], args]);
     }
@@ -388,11 +528,8 @@ pub async fn inflict(
     let ms = |m: u32| tokio::time::sleep(Duration::from_millis(u64::from(m)));
     match f {
         Fault::Kill9 { down } => {
-            let r = {
-                let mut s = sup.lock().unwrap();
-                s.sample_rss();
-                s.relay.take()
-            };
+            // A relay that has exited already is the supervisor's to judge.
+            let r = sup.lock().unwrap().take_running();
             if let Some(r) = r {
                 r.kill9();
             }
@@ -402,9 +539,7 @@ pub async fn inflict(
         Fault::Pause { ms: m } => {
             let pid = sup.lock().unwrap().pid();
             if let Some(pid) = pid {
-                signal(pid, "STOP");
-                ms(*m).await;
-                signal(pid, "CONT");
+                stopped_for(pid, Duration::from_millis(u64::from(*m))).await;
             }
         }
         Fault::Takeover { ms: m } => {
@@ -412,18 +547,28 @@ pub async fn inflict(
             ms(*m).await;
             let first = {
                 let mut s = sup.lock().unwrap();
-                s.sample_rss();
-                s.starts += 1;
-                s.relay.replace(second)
+                match s.take_running() {
+                    Some(first) => {
+                        s.starts += 1;
+                        s.relay = Some(second);
+                        Some(first)
+                    }
+                    // The first has exited (the supervisor judges why, or
+                    // has replaced it): the spare goes instead.
+                    None => Some(second),
+                }
             };
             if let Some(r) = first {
                 r.kill9();
             }
         }
         Fault::BrokerRestart { ms: m } => {
-            ctl_async(rabbitmq_ctl, &["stop"]).await;
-            ms(*m).await;
-            ctl_async(rabbitmq_ctl, &["start"]).await;
+            disruption(sup, async {
+                ctl_async(rabbitmq_ctl, &["stop"]).await;
+                ms(*m).await;
+                ctl_async(rabbitmq_ctl, &["start"]).await;
+            })
+            .await;
         }
         Fault::MemoryAlarm { ms: m } => {
             ctl_async(rabbitmq_ctl, &["ctl", "set_vm_memory_high_watermark", "0"]).await;
@@ -443,16 +588,18 @@ pub async fn inflict(
                 .paused
                 .store(false, std::sync::atomic::Ordering::SeqCst);
         }
-        Fault::PgRestart => ctl_async(pg_ctl, &["restart"]).await,
+        Fault::PgRestart => disruption(sup, ctl_async(pg_ctl, &["restart"])).await,
         Fault::TerminateWalsender => {
             let pg = pg_connect_retry().await;
-            let _ = pg
-                .execute(
+            let _ = disruption(
+                sup,
+                pg.execute(
                     "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
                      WHERE slot_name = $1 AND active_pid IS NOT NULL",
                     &[&w.slot],
-                )
-                .await;
+                ),
+            )
+            .await;
         }
         Fault::StopWalsender { ms: m } => {
             let pg = pg_connect_retry().await;
@@ -466,9 +613,7 @@ pub async fn inflict(
                 .flatten()
                 .map(|r| r.get(0));
             if let Some(pid) = pid {
-                signal(pid as u32, "STOP");
-                ms(*m).await;
-                signal(pid as u32, "CONT");
+                stopped_for(pid as u32, Duration::from_millis(u64::from(*m))).await;
             }
         }
         Fault::DropSlot { kill, graceful } => {
@@ -487,26 +632,37 @@ pub async fn inflict(
             // the drop, and check the relay's claim when it stops).
             let unrecorded = !checkpoint_recorded(&pg, &w.slot).await;
             let end = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < end {
-                let _ = pg
-                    .execute(
-                        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-                         WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                        &[&w.slot],
-                    )
-                    .await;
-                if pg
-                    .execute("SELECT pg_drop_replication_slot($1)", &[&w.slot])
-                    .await
-                    .is_ok()
-                {
-                    // Only a drop that happened explains a stop.
-                    if unrecorded {
-                        sup.lock().unwrap().dropped_unrecorded += 1;
+            let dropped = disruption(sup, async {
+                while Instant::now() < end {
+                    let _ = pg
+                        .execute(
+                            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                             WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                            &[&w.slot],
+                        )
+                        .await;
+                    if pg
+                        .execute("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+                        .await
+                        .is_ok()
+                    {
+                        return true;
                     }
-                    break;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                false
+            })
+            .await;
+            // Only a drop that happened explains a stop; and "no
+            // checkpoint" only if none was there after the drop either (one
+            // written between the two reads is the relay's to use).
+            if dropped {
+                let unrecorded = unrecorded && !checkpoint_recorded(&pg, &w.slot).await;
+                let mut s = sup.lock().unwrap();
+                s.dropped += 1;
+                if unrecorded {
+                    s.dropped_unrecorded += 1;
+                }
             }
             if let Some(kill) = kill {
                 // Into the recovery the lost slot starts (if one starts
@@ -537,12 +693,25 @@ pub async fn inflict(
         }
         Fault::Stall { pg, ms: m } => {
             let p = if *pg { &w.pg_proxy } else { &w.amqp_proxy };
-            p.stall(true);
-            ms(*m).await;
-            p.stall(false);
+            disruption(sup, async {
+                p.stall(true);
+                ms(*m).await;
+                p.stall(false);
+            })
+            .await;
         }
-        Fault::Cut { pg } => (if *pg { &w.pg_proxy } else { &w.amqp_proxy }).cut(),
-        Fault::HalfClose { pg } => (if *pg { &w.pg_proxy } else { &w.amqp_proxy }).half_close(),
+        Fault::Cut { pg } => {
+            disruption(sup, async {
+                (if *pg { &w.pg_proxy } else { &w.amqp_proxy }).cut();
+            })
+            .await;
+        }
+        Fault::HalfClose { pg } => {
+            disruption(sup, async {
+                (if *pg { &w.pg_proxy } else { &w.amqp_proxy }).half_close();
+            })
+            .await;
+        }
         Fault::AddColumn => {
             ddl(&format!(
                 "ALTER TABLE {} ADD COLUMN IF NOT EXISTS chk_extra text DEFAULT 'x'",
@@ -579,6 +748,20 @@ pub async fn inflict(
                 .await
                 .map_err(|e| format!("reading the oid of {t}: {e}"))?
                 .get(0);
+            // Rows of the new table date from no earlier than the oldest
+            // transaction open now (one waiting on the table's lock writes
+            // into the new table with its own start time): what the
+            // operator passes to `republish --since`.
+            let since: String = pg
+                .query_one(
+                    "SELECT to_char(least(now(), min(xact_start)) AT TIME ZONE 'UTC' \
+                     - interval '1 second', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+                     FROM pg_stat_activity WHERE backend_type = 'client backend'",
+                    &[],
+                )
+                .await
+                .map_err(|e| format!("reading the oldest open transaction: {e}"))?
+                .get(0);
             drop(pg);
             ddl_once(
                 &format!("BEGIN; DROP TABLE {t} CASCADE; {} COMMIT", w.table_ddl(t)),
@@ -587,7 +770,11 @@ pub async fn inflict(
                 )),
             )
             .await?;
-            sup.lock().unwrap().owed = Some(Instant::now());
+            let mut s = sup.lock().unwrap();
+            s.owed = Some(Instant::now());
+            s.owed_since.get_or_insert_with(|| since.clone());
+            s.recreated_since = Some(since);
+            s.recreated += 1;
         }
         Fault::AttachPartition => {
             let t = &w.tables[0];
@@ -597,7 +784,7 @@ pub async fn inflict(
             ))
             .await?
         }
-        Fault::Prune => operator(w, &["prune", "--older-than", "2s"]).await?,
+        Fault::Prune => operator(w, sup, &["prune", "--older-than", "2s"]).await?,
         // A window of the last few seconds only: a re-publication of the
         // whole run would hide any loss before it.
         Fault::Republish => {
@@ -610,9 +797,9 @@ pub async fn inflict(
                 .await
                 .map_err(|e| e.to_string())?
                 .get(0);
-            operator(w, &["republish", "--since", &since]).await?
+            operator(w, sup, &["republish", "--since", &since]).await?
         }
-        Fault::SetupCmd => operator(w, &["setup"]).await?,
+        Fault::SetupCmd => operator(w, sup, &["setup"]).await?,
     }
     Ok(())
 }
@@ -712,17 +899,20 @@ async fn stop_gracefully(w: &World, sup: &Mutex<Supervisor>) -> Result<(), Strin
     bad.map_or(Ok(()), Err)
 }
 
-async fn operator(w: &World, args: &[&str]) -> Result<(), String> {
+async fn operator(w: &World, sup: &Mutex<Supervisor>, args: &[&str]) -> Result<(), String> {
     let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
-    let (ok, lines) = persist(w, &args).await;
+    let (ok, lines) = persist(w, sup, &args).await;
     let last = lines.last().cloned().unwrap_or_default();
     if ok {
         return Ok(());
     }
     // A documented refusal: the operator runs it another time (`prune`
-    // keeps the rows a lost slot's recovery needs, seed 1797418585).
-    if last.contains("a recovery of this slot is running")
-        || (args[0] == "prune" && last.contains("is missing or lost: `outbox-relay recover`"))
+    // keeps the rows a lost slot's recovery needs, seed 1797418585). Only
+    // a slot dropped explains it: nothing else starts a recovery.
+    let lost = sup.lock().unwrap().dropped > 0;
+    if lost
+        && (last.contains("a recovery of this slot is running")
+            || (args[0] == "prune" && last.contains("is missing or lost: `outbox-relay recover`")))
     {
         eprintln!("checker: {} refused while a recovery runs", args.join(" "));
         return Ok(());

@@ -8,6 +8,7 @@
 //! forged header came through; the relay's slot reached the last commit.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
@@ -90,13 +91,15 @@ pub struct Verdict {
     pub dead_lettered: usize,
 }
 
-/// Judges `got` against `record`. `order`: whether first deliveries must
-/// follow commit order (not when the broker nacked: a nacked message's
-/// retry comes after later events, README).
+/// Judges `got` against `record`. `order`: until when first deliveries
+/// must follow commit order per aggregate (`None`: not at all), that is
+/// until the first fault after which they may not (a nacked message's
+/// retry comes after later events; a re-publication goes by created_at:
+/// README).
 pub fn judge(
     record: &[Committed],
     got: &[Delivery],
-    order: bool,
+    order: Option<Instant>,
     hostile: &HashSet<String>,
 ) -> Verdict {
     let mut v = Verdict {
@@ -164,39 +167,184 @@ pub fn judge(
     }
     v.duplicates = main.values().map(|n| n - 1).sum();
     v.dead_lettered = dead.len();
-    if order {
-        let position: HashMap<&str, usize> = record
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (c.id.as_str(), i))
-            .collect();
-        let mut first = HashSet::new();
-        let mut last: HashMap<&str, usize> = HashMap::new();
-        let mut bad = Vec::new();
-        for d in got.iter().filter(|d| d.from == From::Main) {
-            let Some(&pos) = position.get(d.id.as_str()) else {
-                continue;
-            };
-            if !first.insert(d.id.as_str()) || dead.contains(d.id.as_str()) {
-                continue;
-            }
-            let agg = record[pos].agg.as_str();
-            if let Some(prev) = last.insert(agg, pos)
-                && prev > pos
-            {
-                bad.push(format!(
-                    "{} (#{pos}) after #{prev} of aggregate {agg:?}",
-                    d.id
-                ));
-            }
-        }
+    if let Some(until) = order {
+        let bad = out_of_order(record, got, &dead, until);
         if !bad.is_empty() {
             v.failures.push(format!(
-                "{} first deliveries out of commit order, e.g. {:?}",
+                "{} first deliveries out of commit order (before the first fault that may \
+                 reorder), e.g. {:?}",
                 bad.len(),
                 &bad[..bad.len().min(3)]
             ));
         }
     }
     v
+}
+
+/// First deliveries to the main queue before `until` that break commit
+/// order within their aggregate: one that comes after a later event of its
+/// aggregate, and one delivered while an earlier event of its aggregate
+/// (not dead-lettered) had not been. Once the queue's first deliveries
+/// are in order, at any moment those of an aggregate are a prefix of its
+/// events, in commit order.
+fn out_of_order(
+    record: &[Committed],
+    got: &[Delivery],
+    dead: &HashSet<&str>,
+    until: Instant,
+) -> Vec<String> {
+    let position: HashMap<&str, usize> = record
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.id.as_str(), i))
+        .collect();
+    // Each aggregate's events, in commit order, dead letters left out.
+    let mut events: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, c) in record.iter().enumerate() {
+        if !dead.contains(c.id.as_str()) {
+            events.entry(c.agg.as_str()).or_default().push(i);
+        }
+    }
+    // How far into its aggregate's events the first deliveries have come.
+    let mut next: HashMap<&str, usize> = HashMap::new();
+    let mut first = HashSet::new();
+    let mut bad = Vec::new();
+    for d in got.iter().filter(|d| d.from == From::Main && d.at < until) {
+        let Some(&pos) = position.get(d.id.as_str()) else {
+            continue;
+        };
+        if !first.insert(d.id.as_str()) || dead.contains(d.id.as_str()) {
+            continue;
+        }
+        let agg = record[pos].agg.as_str();
+        let seq = &events[agg];
+        let n = next.entry(agg).or_default();
+        match seq.get(*n) {
+            Some(&expected) if expected == pos => *n += 1,
+            expected => {
+                bad.push(format!(
+                    "{} (#{pos}) of aggregate {agg:?} while #{} ({}) was not delivered yet",
+                    d.id,
+                    expected.map_or("?".into(), |e| e.to_string()),
+                    expected.map_or("?", |&e| record[e].id.as_str())
+                ));
+                // Judge what follows against where this one stands.
+                if let Some(i) = seq.iter().position(|&e| e == pos) {
+                    *n = (*n).max(i + 1);
+                }
+            }
+        }
+    }
+    bad
+}
+
+/// The judge, shown runs whose verdict is known: in order, out of order
+/// within an aggregate (before and after the moment order is no longer
+/// owed), a gap, a loss, a rolled-back event, a dead letter without a
+/// reason. `Err` names the first it judged wrongly.
+pub fn self_check() -> Result<(), String> {
+    let t0 = Instant::now();
+    let at = |s: u64| t0 + std::time::Duration::from_secs(s);
+    let ev = |id: &str, agg: &str, commit: u64| Committed {
+        id: id.into(),
+        agg: agg.into(),
+        commit: Lsn(commit),
+    };
+    let record = [
+        ev("a1", "a", 10),
+        ev("b1", "b", 10),
+        ev("a2", "a", 20),
+        ev("a3", "a", 30),
+    ];
+    let got = |order: &[(&str, u64)]| -> Vec<Delivery> {
+        order
+            .iter()
+            .map(|&(id, s)| Delivery {
+                from: if id.starts_with("dead:") {
+                    From::Dead
+                } else {
+                    From::Main
+                },
+                id: id.trim_start_matches("dead:").into(),
+                at: at(s),
+                forged: false,
+                reason: None,
+            })
+            .collect()
+    };
+    let always = Some(at(1000));
+    let none = HashSet::new();
+    // What, the deliveries, until when order is owed, the failure expected.
+    type Case<'a> = (&'a str, Vec<Delivery>, Option<Instant>, Option<&'a str>);
+    let cases: [Case; 8] = [
+        (
+            "in order, b interleaved, a2 repeated",
+            got(&[("a1", 1), ("b1", 2), ("a2", 3), ("a2", 4), ("a3", 5)]),
+            always,
+            None,
+        ),
+        (
+            "a3 before a2",
+            got(&[("a1", 1), ("b1", 2), ("a3", 3), ("a2", 4)]),
+            always,
+            Some("out of commit order"),
+        ),
+        (
+            "a3 before a2, a2 after order stops being owed",
+            got(&[("a1", 1), ("b1", 2), ("a3", 3), ("a2", 9)]),
+            Some(at(5)),
+            Some("out of commit order"),
+        ),
+        (
+            "a2 and a3 swapped, both after order stops being owed",
+            got(&[("a1", 1), ("b1", 2), ("a3", 6), ("a2", 7)]),
+            Some(at(5)),
+            None,
+        ),
+        (
+            "a3 before a2, order not owed",
+            got(&[("a1", 1), ("b1", 2), ("a3", 3), ("a2", 4)]),
+            None,
+            None,
+        ),
+        (
+            "a2 lost",
+            got(&[("a1", 1), ("b1", 2), ("a3", 3)]),
+            None,
+            Some("LOST"),
+        ),
+        (
+            "an event that never committed",
+            got(&[("a1", 1), ("b1", 2), ("a2", 3), ("x9", 4), ("a3", 5)]),
+            always,
+            Some("never committed"),
+        ),
+        (
+            "a dead letter without a reason",
+            got(&[("a1", 1), ("b1", 2), ("dead:a2", 3), ("a3", 4)]),
+            always,
+            Some("carries no reason"),
+        ),
+    ];
+    let hostile: HashSet<String> = ["a2".to_owned()].into();
+    for (what, deliveries, order, expect) in cases {
+        let h = if what.contains("dead letter") {
+            &hostile
+        } else {
+            &none
+        };
+        let v = judge(&record, &deliveries, order, h);
+        let ok = match expect {
+            None => v.failures.is_empty(),
+            Some(word) => v.failures.iter().any(|f| f.contains(word)),
+        };
+        if !ok {
+            return Err(format!(
+                "{what}: expected {}, judged {:?}",
+                expect.map_or("a pass".into(), |w| format!("a failure saying {w:?}")),
+                v.failures
+            ));
+        }
+    }
+    Ok(())
 }

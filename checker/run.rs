@@ -70,12 +70,16 @@ const RUN_BOUND: Duration = Duration::from_secs(900);
 pub async fn bounded(s: &Schedule) -> Report {
     match tokio::time::timeout(RUN_BOUND, run(s)).await {
         Ok(r) => r,
-        Err(_) => Report {
-            seed: s.seed,
-            schedule: s.to_string(),
-            failures: vec![format!("HANG: the run did not end within {RUN_BOUND:?}")],
-            ..Report::default()
-        },
+        Err(_) => {
+            // Not left in force for the next run.
+            crate::nemesis::let_go().await;
+            Report {
+                seed: s.seed,
+                schedule: s.to_string(),
+                failures: vec![format!("HANG: the run did not end within {RUN_BOUND:?}")],
+                ..Report::default()
+            }
+        }
     }
 }
 
@@ -97,12 +101,26 @@ async fn run(s: &Schedule) -> Report {
     let done = CancellationToken::new();
     let faults_done = Arc::new(AtomicBool::new(false));
     let mut timeline: Vec<(Instant, String)> = Vec::new();
+    // The first fault after which first deliveries may leave commit order
+    // (as documented): a nack's retry comes after later events; a
+    // re-publication (republish, a lost slot's recovery, a re-created
+    // table's remedy) goes by created_at.
+    let mut order_broken: Option<Instant> = None;
 
     let nemesis = async {
         let mut failures = Vec::new();
         for (gap, f) in &s.faults {
             tokio::time::sleep(Duration::from_millis(u64::from(*gap))).await;
             timeline.push((Instant::now(), f.kind()));
+            if matches!(
+                f,
+                Fault::FullQueue { .. }
+                    | Fault::Republish
+                    | Fault::DropSlot { .. }
+                    | Fault::Recreate
+            ) {
+                order_broken.get_or_insert_with(Instant::now);
+            }
             if let Err(e) = inflict(&w, &sup, &consumer, f).await {
                 failures.push(format!("{f}: {e}"));
             }
@@ -221,21 +239,17 @@ async fn run(s: &Schedule) -> Report {
     // Late stray deliveries (a rolled-back event, a duplicate) show here.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let got = consumer.snapshot();
-    // Not kept, as documented: a nacked message's retry comes after later
-    // events; a re-publication (republish, recover, a lost slot, a
-    // re-created table) goes by created_at, which is not commit order.
-    // A bounded queue may nack whenever the consumer lags.
-    let order = !s.setup.bounded_queue
-        && sup.lock().unwrap().remedies.is_empty()
-        && !s.faults.iter().any(|(_, f)| {
-            matches!(
-                f,
-                Fault::FullQueue { .. }
-                    | Fault::Republish
-                    | Fault::DropSlot { .. }
-                    | Fault::Recreate
-            )
-        });
+    // First deliveries keep commit order per aggregate until the first
+    // moment the README says they may not: a fault above, or the first
+    // remedy (a re-publication). A bounded queue may nack whenever the
+    // consumer lags: no order then.
+    let order = (!s.setup.bounded_queue).then(|| {
+        [order_broken, sup.lock().unwrap().first_remedy]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400))
+    });
     // Read again: a statement given up on may have committed meanwhile.
     let record = match oracle::committed(&pg_connect_retry().await, &w.observer, &w.record).await {
         Ok(again) if again.len() >= record.len() => again,
@@ -247,20 +261,26 @@ async fn run(s: &Schedule) -> Report {
     // checkpoint cannot be recovered from one: the relay then names
     // `republish --since` (README, "Recovery from LSN checkpoints"), which
     // only such a drop explains.
+    // Each re-created table explains one stop naming `republish`; each
+    // dropped slot, one recovery the relay starts by itself.
     {
         let sv = sup.lock().unwrap();
         let mut unrecorded = sv.dropped_unrecorded;
+        let mut recreated = sv.recreated;
+        let take = |n: &mut usize| {
+            let explained = *n > 0;
+            *n = n.saturating_sub(1);
+            explained
+        };
         for remedy in &sv.remedies {
-            let caused = |f: fn(&Fault) -> bool| s.faults.iter().any(|(_, x)| f(x));
-            let ok = if remedy.contains("no checkpoint recorded for slot") {
-                // Only a slot dropped before any checkpoint: one stop each.
-                let explained = unrecorded > 0;
-                unrecorded = unrecorded.saturating_sub(1);
-                explained
-            } else if remedy.contains("outbox-relay republish") {
-                caused(|f| matches!(f, Fault::Recreate))
-            } else if remedy.contains("outbox-relay recover") {
-                caused(|f| matches!(f, Fault::DropSlot { .. }))
+            // What the relay said, not what the operator's commands did.
+            let said = remedy.split("; operator:").next().unwrap_or_default();
+            let ok = if said.contains("no checkpoint recorded for slot") {
+                take(&mut unrecorded)
+            } else if said.contains("outbox-relay republish") {
+                take(&mut recreated)
+            } else if said.contains("outbox-relay recover") {
+                sv.dropped > 0
             } else {
                 true
             };
@@ -269,6 +289,14 @@ async fn run(s: &Schedule) -> Report {
                     "a documented stop no fault of this run explains: {remedy}"
                 ));
             }
+        }
+        let started = recoveries_started(w.dir.path());
+        if started > sv.dropped {
+            report.failures.push(format!(
+                "the relay started {started} recoveries of a lost slot, but the slot was dropped \
+                 {} times",
+                sv.dropped
+            ));
         }
     }
     let hostile: std::collections::HashSet<String> = produced
@@ -297,6 +325,14 @@ async fn run(s: &Schedule) -> Report {
     let mut sv = sup.into_inner().unwrap();
     sv.stop(slot_lost);
     report.failures.append(&mut sv.failures);
+    // Stopping may not take the slot back: it stays past the last commit.
+    match slot_position(&pg_connect_retry().await, &w.slot).await {
+        Some(l) if l >= last_commit => {}
+        at => report.failures.push(format!(
+            "after the relay stopped, its slot is {} (the last commit is {last_commit})",
+            at.map_or("gone".into(), |l| format!("at {l}"))
+        )),
+    }
     report.peak_rss = sv.peak_rss;
     if sv.peak_rss > RSS_BOUND {
         report.failures.push(format!(
@@ -492,6 +528,22 @@ async fn slot_position(pg: &tokio_postgres::Client, slot: &str) -> Option<Lsn> {
     .flatten()
     .and_then(|row| row.get::<_, Option<String>>(0))
     .and_then(|s| s.parse().ok())
+}
+
+/// How many recoveries of a lost slot the relays of this run started by
+/// themselves (not resumed), from their logs in `dir`.
+fn recoveries_started(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|f| {
+            let n = f.file_name().to_string_lossy().into_owned();
+            n.starts_with("relay-") && n.ends_with(".log")
+        })
+        .filter_map(|f| std::fs::read_to_string(f.path()).ok())
+        .map(|log| log.matches(crate::nemesis::STARTED).count())
+        .sum()
 }
 
 /// Each duplicate delivery counts against the last fault before it.

@@ -368,7 +368,7 @@ listen = "127.0.0.1:0"
         // One by one: a failing statement must not keep the role.
         let _ = pg
             .execute(
-                "DELETE FROM outbox_relay_checkpoint WHERE slot_name = $1",
+                "DELETE FROM public.outbox_relay_checkpoint WHERE slot_name = $1",
                 &[&self.slot],
             )
             .await;
