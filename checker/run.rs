@@ -14,7 +14,7 @@ use crate::common::*;
 use crate::consumer::{Consumer, From};
 use crate::nemesis::{Supervisor, inflict, supervise};
 use crate::oracle::{self, Committed};
-use crate::schedule::{Fault, Schedule};
+use crate::schedule::Schedule;
 use crate::workload::{Produced, Producer};
 use crate::world::World;
 
@@ -101,26 +101,11 @@ async fn run(s: &Schedule) -> Report {
     let done = CancellationToken::new();
     let faults_done = Arc::new(AtomicBool::new(false));
     let mut timeline: Vec<(Instant, String)> = Vec::new();
-    // The first fault after which first deliveries may leave commit order
-    // (as documented): a nack's retry comes after later events; a
-    // re-publication (republish, a lost slot's recovery, a re-created
-    // table's remedy) goes by created_at.
-    let mut order_broken: Option<Instant> = None;
-
     let nemesis = async {
         let mut failures = Vec::new();
         for (gap, f) in &s.faults {
             tokio::time::sleep(Duration::from_millis(u64::from(*gap))).await;
             timeline.push((Instant::now(), f.kind()));
-            if matches!(
-                f,
-                Fault::FullQueue { .. }
-                    | Fault::Republish
-                    | Fault::DropSlot { .. }
-                    | Fault::Recreate
-            ) {
-                order_broken.get_or_insert_with(Instant::now);
-            }
             if let Err(e) = inflict(&w, &sup, &consumer, f).await {
                 failures.push(format!("{f}: {e}"));
             }
@@ -186,11 +171,6 @@ async fn run(s: &Schedule) -> Report {
 
     // Drain: the supervisor still restarts a relay that stops.
     let drain = Instant::now();
-    // Only a lost slot starts a recovery, which a SIGTERM may stop half way.
-    let slot_lost = s
-        .faults
-        .iter()
-        .any(|(_, f)| matches!(f, Fault::DropSlot { .. }));
     let sup_done = CancellationToken::new();
     let d = tokio::join!(
         async {
@@ -204,6 +184,9 @@ async fn run(s: &Schedule) -> Report {
     report.drain_secs = d.drained.unwrap_or_else(|| drain.elapsed()).as_secs_f64();
     report.drain_phases = (d.writers.as_secs_f64(), d.read.as_secs_f64());
     let (record, confirmed) = (d.record, d.confirmed);
+    // Only a lost slot starts a recovery, which a SIGTERM may stop half
+    // way: a slot the nemesis did drop, not one it meant to.
+    let slot_lost = sup.lock().unwrap().dropped > 0;
     let record = match record {
         Ok(r) => r,
         Err(e) => {
@@ -240,14 +223,14 @@ async fn run(s: &Schedule) -> Report {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let got = consumer.snapshot();
     // First deliveries keep commit order per aggregate until the first
-    // moment the README says they may not: a fault above, or the first
-    // remedy (a re-publication). A bounded queue may nack whenever the
-    // consumer lags: no order then.
+    // moment the README says they may not (the supervisor's
+    // `order_broken`: a nack's retry comes after later events; a
+    // re-publication goes by created_at). A bounded queue may nack
+    // whenever the consumer lags: no order then.
     let order = (!s.setup.bounded_queue).then(|| {
-        [order_broken, sup.lock().unwrap().first_remedy]
-            .into_iter()
-            .flatten()
-            .min()
+        sup.lock()
+            .unwrap()
+            .order_broken
             .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400))
     });
     // Read again: a statement given up on may have committed meanwhile.
@@ -542,7 +525,13 @@ fn recoveries_started(dir: &std::path::Path) -> usize {
             n.starts_with("relay-") && n.ends_with(".log")
         })
         .filter_map(|f| std::fs::read_to_string(f.path()).ok())
-        .map(|log| log.matches(crate::nemesis::STARTED).count())
+        .map(|log| {
+            // Not a resumed one ("window=rows of the recovery recorded
+            // earlier, ...").
+            log.lines()
+                .filter(|l| l.contains(crate::nemesis::STARTED) && !l.contains("recorded earlier"))
+                .count()
+        })
         .sum()
 }
 
