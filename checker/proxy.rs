@@ -27,7 +27,7 @@ impl Proxy {
         let (stalled, stalled_rx) = watch::channel(false);
         let conns: Arc<Mutex<Vec<(CancellationToken, CancellationToken)>>> = Arc::default();
         let stop = CancellationToken::new();
-        let (list, stopped) = (conns.clone(), stop.clone());
+        let (list, stopped) = (Arc::clone(&conns), stop.clone());
         tokio::spawn(async move {
             loop {
                 let (client, _) = tokio::select! {

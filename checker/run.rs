@@ -120,13 +120,16 @@ async fn run(s: &Schedule) -> Report {
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let producers =
         futures_util::future::join_all(s.producers.iter().enumerate().map(|(i, txs)| {
-            let (w, faults_done, written) = (&w, faults_done.clone(), written.clone());
+            let (w, faults_done, written) = (&w, Arc::clone(&faults_done), Arc::clone(&written));
             async move {
                 let mut all = Vec::new();
                 let mut round = 0u64;
                 loop {
                     let p = Producer::new(w, i, s.seed.wrapping_add(round << 32));
-                    all.push(p.run(txs, written.clone(), EVENT_CAP, round == 0).await);
+                    all.push(
+                        p.run(txs, Arc::clone(&written), EVENT_CAP, round == 0)
+                            .await,
+                    );
                     round += 1;
                     let capped = written.load(std::sync::atomic::Ordering::SeqCst) >= EVENT_CAP;
                     if faults_done.load(std::sync::atomic::Ordering::SeqCst)
@@ -159,7 +162,7 @@ async fn run(s: &Schedule) -> Report {
         async {
             supervise(&w, &sup, &done).await;
         }
-        .with_cancel_on(&done, producers_done.clone())
+        .with_cancel_on(&done, Arc::clone(&producers_done))
     );
     report.failures.extend(fault_failures);
     let produced: Vec<Produced> = produced.into_iter().flatten().collect();

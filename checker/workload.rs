@@ -280,13 +280,12 @@ impl<'a> Producer<'a> {
                         Ok(()) => return Ok(commit.then_some(ids)),
                         Err(e) => last = Some(e),
                     }
-                    if let Ok(c) = pg_connect_try().await {
-                        if c.batch_execute(&format!("{end} PREPARED '{gid}'"))
+                    if let Ok(c) = pg_connect_try().await
+                        && c.batch_execute(&format!("{end} PREPARED '{gid}'"))
                             .await
                             .is_ok()
-                        {
-                            return Ok(commit.then_some(ids));
-                        }
+                    {
+                        return Ok(commit.then_some(ids));
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }

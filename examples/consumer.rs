@@ -98,7 +98,7 @@ async fn main() {
     };
     let counters = Arc::new(Counters::default());
     if let Some(addr) = a.metrics.clone() {
-        tokio::spawn(serve_metrics(addr, counters.clone()));
+        tokio::spawn(serve_metrics(addr, Arc::clone(&counters)));
     }
     loop {
         if let Err(e) = consume(&a, &counters).await {

@@ -498,18 +498,18 @@ pub async fn republish(
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
     let (selected, p) = crate::recover::republish(cfg, &sel, table, stop).await?;
-    if let crate::recover::Selection::Ids(ids) = &sel {
-        if (selected as usize) < ids.len() {
-            let tables: Vec<String> = (cfg.outboxes.iter())
-                .filter_map(|o| o.table().map(|t| t.to_string()))
-                .collect();
-            eprintln!(
-                "outbox-relay: {} of {} ids not found in {}",
-                ids.len() - selected as usize,
-                ids.len(),
-                tables.join(", ")
-            );
-        }
+    if let crate::recover::Selection::Ids(ids) = &sel
+        && (selected as usize) < ids.len()
+    {
+        let tables: Vec<String> = (cfg.outboxes.iter())
+            .filter_map(|o| o.table().map(|t| t.to_string()))
+            .collect();
+        eprintln!(
+            "outbox-relay: {} of {} ids not found in {}",
+            ids.len() - selected as usize,
+            ids.len(),
+            tables.join(", ")
+        );
     }
     println!("re-published {} events", p.confirmed);
     if !p.complete {

@@ -653,7 +653,7 @@ fn decode_bytea_escape(v: &[u8]) -> Option<Bytes> {
 
 /// The digits after `\x`.
 fn decode_bytea_hex(hex: &[u8]) -> Option<Bytes> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);

@@ -331,21 +331,21 @@ async fn session(
     let (probe, alive) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let watch_liveness = tokio::spawn(liveness(
         cfg.clone(),
-        sql.clone(),
+        Arc::clone(&sql),
         silence_limit,
-        (probe.clone(), alive.clone()),
+        (Arc::clone(&probe), Arc::clone(&alive)),
         stop.clone(),
     ));
     let gated = tokio::spawn(gate(
         cfg.clone(),
-        sql.clone(),
+        Arc::clone(&sql),
         coverage,
         (wm_rx, reported_tx),
         (stop.clone(), sink_done.clone()),
     ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
-        (sql, longest.clone(), server.system_id.clone()),
+        (sql, Arc::clone(longest), server.system_id.clone()),
         reported.clone(),
         metrics.clone(),
         stop.clone(),

@@ -185,7 +185,7 @@ fn provider() -> Arc<CryptoProvider> {
 
 fn client_config(verify: Verify, ca_file: Option<&Path>) -> Result<ClientConfig, String> {
     let provider = provider();
-    let builder = ClientConfig::builder_with_provider(provider.clone())
+    let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?;
     // Refused when the configuration was loaded; never fall back to public
@@ -214,7 +214,7 @@ fn client_config(verify: Verify, ca_file: Option<&Path>) -> Result<ClientConfig,
 fn chain_only(ca_file: &Path, provider: Arc<CryptoProvider>) -> Result<ChainOnly, String> {
     let inner = WebPkiServerVerifier::builder_with_provider(
         Arc::new(root_store(ca_file)?),
-        provider.clone(),
+        Arc::clone(&provider),
     )
     .build()
     .map_err(|e| e.to_string())?;

@@ -195,13 +195,13 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
             Some(e.seq),
             "payload of {id} does not match what was inserted"
         );
-        if let Some(prev) = last_seq.insert(&e.aggregate, e.seq) {
-            if e.seq <= prev {
-                out_of_order.push(format!(
-                    "delivery #{i}: {} seq {} after seq {prev}",
-                    e.aggregate, e.seq
-                ));
-            }
+        if let Some(prev) = last_seq.insert(&e.aggregate, e.seq)
+            && e.seq <= prev
+        {
+            out_of_order.push(format!(
+                "delivery #{i}: {} seq {} after seq {prev}",
+                e.aggregate, e.seq
+            ));
         }
     }
     assert!(

@@ -75,18 +75,18 @@ pub(super) async fn broker_connect(cfg: &Config, url: &str) -> (Line, Option<Con
         Some(Err(e)) => return (Line::fail(what, format!("rabbitmq.ca_file: {e}")), None),
         None => lapin::tcp::OwnedTLSConfig::default(),
     };
-    if let Some(roots) = cfg.rabbitmq.ca_file.as_deref() {
-        if uri.scheme == lapin::uri::AMQPScheme::AMQPS {
-            let host = uri.authority.host.as_str();
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            let port = uri.authority.port;
-            let shake = crate::tls::rabbitmq_handshake(host, port, roots);
-            if let Ok(Err(e)) = tokio::time::timeout(CHECK_TIMEOUT, shake).await {
-                if let Some(f) = TlsFailure::find(&e).filter(TlsFailure::is_permanent) {
-                    let msg = crate::tls::rabbitmq_failure(&f, &shown_url(url));
-                    return (Line::fail(what, msg), None);
-                }
-            }
+    if let Some(roots) = cfg.rabbitmq.ca_file.as_deref()
+        && uri.scheme == lapin::uri::AMQPScheme::AMQPS
+    {
+        let host = uri.authority.host.as_str();
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let port = uri.authority.port;
+        let shake = crate::tls::rabbitmq_handshake(host, port, roots);
+        if let Ok(Err(e)) = tokio::time::timeout(CHECK_TIMEOUT, shake).await
+            && let Some(f) = TlsFailure::find(&e).filter(TlsFailure::is_permanent)
+        {
+            let msg = crate::tls::rabbitmq_failure(&f, &shown_url(url));
+            return (Line::fail(what, msg), None);
         }
     }
     let builder = match lapin::DefaultConnectionBuilder::new() {
@@ -193,18 +193,18 @@ pub(super) async fn exchanges(cfg: &Config, conn: &Connection) -> Vec<Line> {
         }
     }
     for o in &cfg.outboxes {
-        if let Some(dlx) = &o.dead_letter_exchange {
-            if once(format!("dlx {dlx}")) {
-                let key = if cfg.outboxes.len() > 1 {
-                    format!(
-                        "{} or rabbitmq.dead_letter_exchange",
-                        o.key_of("dead_letter_exchange")
-                    )
-                } else {
-                    "rabbitmq.dead_letter_exchange".to_owned()
-                };
-                lines.push(exchange(conn, dlx, "dead-letter exchange", &key).await);
-            }
+        if let Some(dlx) = &o.dead_letter_exchange
+            && once(format!("dlx {dlx}"))
+        {
+            let key = if cfg.outboxes.len() > 1 {
+                format!(
+                    "{} or rabbitmq.dead_letter_exchange",
+                    o.key_of("dead_letter_exchange")
+                )
+            } else {
+                "rabbitmq.dead_letter_exchange".to_owned()
+            };
+            lines.push(exchange(conn, dlx, "dead-letter exchange", &key).await);
         }
     }
     lines

@@ -108,15 +108,16 @@ impl AuthPolicy {
             listed.push(m);
         }
         let insecure = |m: &AuthMethod| matches!(m, AuthMethod::Password | AuthMethod::Md5);
-        if negated == 0 && !verified {
-            if let Some(m) = listed.iter().find(|m| insecure(m)) {
-                return Err(format!(
-                    "allows {}, which hands the password (or its MD5 hash) to whoever answers: \
+        if negated == 0
+            && !verified
+            && let Some(m) = listed.iter().find(|m| insecure(m))
+        {
+            return Err(format!(
+                "allows {}, which hands the password (or its MD5 hash) to whoever answers: \
                      allowed only when the server is verified (postgres.sslmode = \
                      \"verify-full\" or \"verify-ca\" with postgres.ca_file)",
-                    m.name()
-                ));
-            }
+                m.name()
+            ));
         }
         let allowed = (AuthMethod::ALL.into_iter())
             .filter(|m| listed.contains(m) != (negated > 0))

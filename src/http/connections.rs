@@ -67,7 +67,7 @@ impl Connections {
             },
         );
         Some(Place {
-            connections: self.clone(),
+            connections: Arc::clone(self),
             id,
             evicted,
         })
@@ -94,7 +94,7 @@ impl Place {
     /// keeps its place meanwhile.
     pub(super) fn busy(self: &Arc<Self>) -> Busy {
         self.connections.set_idle(self.id, false);
-        Busy(self.clone())
+        Busy(Arc::clone(self))
     }
 }
 

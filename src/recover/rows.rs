@@ -447,7 +447,7 @@ fn event(c: &Cursor, done: &Arc<[String]>, r: &Row) -> (OutboxEvent, Key) {
     let key = Key {
         outbox: c.outbox,
         table: c.table.clone(),
-        done: done.clone(),
+        done: Arc::clone(done),
         created: r.get::<_, Option<String>>(n + 1).unwrap_or_default(),
         id: r.get::<_, Option<String>>(n + 2).unwrap_or_default(),
     };

@@ -577,7 +577,7 @@ async fn never_confirms(mode: &'static str) {
     let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let published = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = published.clone();
+    let count = Arc::clone(&published);
     let broker = tokio::spawn(async move {
         let (s, _) = listener.accept().await.unwrap();
         let mut p = Peer::new(s);

@@ -415,20 +415,20 @@ impl<'a> Publisher<'a> {
                 }));
             }
         };
-        if !self.refusals.poison.is_empty() {
-            if let Some(reason) = self.refusals.poison.get(m.message_id) {
-                let Some(dlx) = self.dlx(ev.outbox) else {
-                    return Err(PublishError::Undeliverable {
-                        id: m.message_id.to_owned(),
-                        reason: reason.clone(),
-                    });
-                };
-                error!(event_id = %Shown(m.message_id), %reason, dead_letter_exchange = %dlx, "dead-lettering event");
-                // Bare: whatever in its headers or body the broker refused
-                // is not sent again.
-                let dl = m.to_envelope().dead_letter(dlx, reason, 0);
-                return Ok(Err(fit_dead_letter(dl, 0, 0)));
-            }
+        if !self.refusals.poison.is_empty()
+            && let Some(reason) = self.refusals.poison.get(m.message_id)
+        {
+            let Some(dlx) = self.dlx(ev.outbox) else {
+                return Err(PublishError::Undeliverable {
+                    id: m.message_id.to_owned(),
+                    reason: reason.clone(),
+                });
+            };
+            error!(event_id = %Shown(m.message_id), %reason, dead_letter_exchange = %dlx, "dead-lettering event");
+            // Bare: whatever in its headers or body the broker refused
+            // is not sent again.
+            let dl = m.to_envelope().dead_letter(dlx, reason, 0);
+            return Ok(Err(fit_dead_letter(dl, 0, 0)));
         }
         if !self.refused.is_empty() {
             let exchange = m.exchange.parts().concat();

@@ -36,7 +36,8 @@ impl Peer {
     }
 
     pub(super) async fn read_more(&mut self) -> bool {
-        let mut chunk = [0u8; 65536];
+        // On the heap: a 64 KiB array would sit in every future that reads.
+        let mut chunk = vec![0u8; 65536];
         match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut chunk)).await {
             Ok(Ok(0)) => false,
             Ok(Err(_)) => {

@@ -170,16 +170,16 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthGuard<S> {
         let this = self.get_mut();
         let before = buf.filled().len();
         let r = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = r {
-            if this.state != State::Done {
-                let new = buf.filled()[before..].to_vec();
-                if let Err(refused) = this.inspect(&new) {
-                    buf.set_filled(before);
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::PermissionDenied,
-                        refused,
-                    )));
-                }
+        if let Poll::Ready(Ok(())) = r
+            && this.state != State::Done
+        {
+            let new = buf.filled()[before..].to_vec();
+            if let Err(refused) = this.inspect(&new) {
+                buf.set_filled(before);
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    refused,
+                )));
             }
         }
         r

@@ -257,9 +257,9 @@ async fn connect_guarded(
         };
         let connector = MakeTlsConnect::<AuthGuard<Socket>>::make_tls_connect(&mut tls, &name)
             .map_err(|e| SourceError::Setup(format!("postgres.url: {e}")))?;
-        let guarded = AuthGuard::socket(socket, policy.clone());
+        let guarded = AuthGuard::socket(socket, Arc::clone(&policy));
         let (client, conn) = match pg
-            .connect_raw(guarded, GuardedTls::new(connector, policy.clone()))
+            .connect_raw(guarded, GuardedTls::new(connector, Arc::clone(&policy)))
             .await
         {
             Ok(c) => c,

@@ -19,7 +19,8 @@ pub(super) struct PgPeer {
 
 impl PgPeer {
     async fn read_more(&mut self) -> bool {
-        let mut chunk = [0u8; 16384];
+        // On the heap: an array this size would sit in every future that reads.
+        let mut chunk = vec![0u8; 16384];
         match tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut chunk)).await {
             Ok(Ok(0) | Err(_)) => false,
             Ok(Ok(n)) => {

@@ -83,10 +83,10 @@ impl TlsFailure {
             if let Some(r) = e.downcast_ref::<rustls::Error>() {
                 return Some(TlsFailure::from_rustls(r));
             }
-            if let Some(io) = e.downcast_ref::<std::io::Error>() {
-                if let Some(r) = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
-                    return Some(TlsFailure::from_rustls(r));
-                }
+            if let Some(io) = e.downcast_ref::<std::io::Error>()
+                && let Some(r) = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
+            {
+                return Some(TlsFailure::from_rustls(r));
             }
             if e.to_string() == "server does not support TLS" {
                 return Some(TlsFailure::NoServerTls);

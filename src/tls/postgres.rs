@@ -97,13 +97,13 @@ pub(super) async fn certificate_name_for(
     }
     let provider = provider();
     let seen: Seen = Arc::new(std::sync::Mutex::new(None));
-    let config = ClientConfig::builder_with_provider(provider.clone())
+    let config = ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
         .ok()?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(Recording {
             inner: chain_only(ca_file, provider).ok()?,
-            seen: seen.clone(),
+            seen: Arc::clone(&seen),
         }))
         .with_no_client_auth();
     let mut make = tokio_postgres_rustls::MakeRustlsConnect::new(config);

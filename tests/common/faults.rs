@@ -33,7 +33,7 @@ impl Fixture {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let subscriptions = Arc::new(AtomicU32::new(0));
-        let subs = subscriptions.clone();
+        let subs = Arc::clone(&subscriptions);
         let queue = self.queue.clone();
         let urls = self.amqp_urls.clone();
         let tag = format!("rc_{}", self.name);
@@ -277,10 +277,10 @@ pub fn socket_owner(pids: &[u32], port: u16) -> Option<u32> {
                 .get(1)
                 .and_then(|a| a.rsplit(':').next())
                 .and_then(|p| u16::from_str_radix(p, 16).ok());
-            if let (Some(p), Some(inode)) = (local_port, cols.get(9)) {
-                if p == port {
-                    inodes.insert(format!("socket:[{inode}]"));
-                }
+            if let (Some(p), Some(inode)) = (local_port, cols.get(9))
+                && p == port
+            {
+                inodes.insert(format!("socket:[{inode}]"));
             }
         }
     }

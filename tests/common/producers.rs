@@ -243,7 +243,7 @@ impl Load {
         let stop = Arc::new(AtomicBool::new(false));
         let producers = specs
             .into_iter()
-            .map(|spec| spawn_producer(fx, spec, stop.clone()))
+            .map(|spec| spawn_producer(fx, spec, Arc::clone(&stop)))
             .collect();
         Load { stop, producers }
     }

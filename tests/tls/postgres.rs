@@ -295,7 +295,7 @@ async fn hostaddr_reaches_the_same_server_on_both_connections() {
         .await
         .unwrap();
     let reached = Arc::new(AtomicUsize::new(0));
-    let counter = reached.clone();
+    let counter = Arc::clone(&reached);
     let decoy_task = tokio::spawn(async move {
         let mut held = Vec::new();
         while let Ok((socket, _)) = decoy.accept().await {

@@ -167,7 +167,7 @@ fn tls_pair() -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
         .unwrap()
         .signed_by(&key, &issuer)
         .unwrap();
-    let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+    let server = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_no_client_auth()

@@ -10,13 +10,13 @@ impl Wire {
     /// caller sets one.
     pub async fn connect(target: &Target) -> Result<Wire, WireError> {
         let uri = &target.uri;
-        if let Some(m) = uri.query.auth_mechanism {
-            if m != SASLMechanism::Plain {
-                return Err(WireError::Unsupported(format!(
-                    "rabbitmq.url asks for the {} SASL mechanism; only PLAIN (user and password) is supported",
-                    m.name()
-                )));
-            }
+        if let Some(m) = uri.query.auth_mechanism
+            && m != SASLMechanism::Plain
+        {
+            return Err(WireError::Unsupported(format!(
+                "rabbitmq.url asks for the {} SASL mechanism; only PLAIN (user and password) is supported",
+                m.name()
+            )));
         }
         // An IPv6 literal comes in brackets (see `parse_amqp_url`).
         let host = uri.authority.host.as_str();
@@ -33,7 +33,7 @@ impl Wire {
             (AMQPScheme::AMQPS, Some(tls)) => {
                 let name = rustls::pki_types::ServerName::try_from(host.to_owned())
                     .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-                let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                let stream = tokio_rustls::TlsConnector::from(Arc::clone(tls))
                     .connect(name, tcp)
                     .await?;
                 Box::new(stream)
