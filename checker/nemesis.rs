@@ -354,12 +354,16 @@ pub async fn supervise(
             match s.relay.as_mut().map(|r| r.child.try_wait()) {
                 Some(Ok(Some(status))) => {
                     let r = s.relay.take().unwrap();
-                    Some((status, r.log_tail()))
+                    // Its standard output says what it did last ("stopped
+                    // before streaming ...").
+                    let out =
+                        std::fs::read_to_string(r.log.with_extension("out")).unwrap_or_default();
+                    Some((status, r.log_tail(), tail(&out, 2)))
                 }
                 _ => None,
             }
         };
-        let Some((status, log)) = exited else {
+        let Some((status, log, out)) = exited else {
             continue;
         };
         let remedy = {
@@ -418,7 +422,7 @@ pub async fn supervise(
                 }
             }
             None => sup.lock().unwrap().failures.push(format!(
-                "the relay exited {status} with no documented remedy: {}",
+                "the relay exited {status} with no documented remedy: {} (its output: {out})",
                 tail(&log, 6)
             )),
         }

@@ -265,6 +265,11 @@ async fn run(s: &Schedule) -> Report {
                 take(&mut unrecorded)
             } else if said.contains("outbox-relay republish") {
                 take(&mut recreated)
+            } else if said.contains("the recovery ended with") {
+                // A pass that ended unfinished by itself: the relay says so
+                // only once confirms are overdue past confirm_timeout_secs
+                // (30 s), which only a fault that long explains.
+                sv.dropped > 0 && holds_confirms(s)
             } else if said.contains("outbox-relay recover") {
                 sv.dropped > 0
             } else {
@@ -514,6 +519,21 @@ async fn slot_position(pg: &tokio_postgres::Client, slot: &str) -> Option<Lsn> {
     .flatten()
     .and_then(|row| row.get::<_, Option<String>>(0))
     .and_then(|s| s.parse().ok())
+}
+
+/// Whether a fault of `s` could keep the broker's confirms from the relay
+/// for `rabbitmq.confirm_timeout_secs` (30 s by default, as the checker runs it), less a
+/// margin: a stop that says confirms were overdue needs one.
+fn holds_confirms(s: &Schedule) -> bool {
+    use crate::schedule::Fault;
+    s.faults.iter().any(|(_, f)| match f {
+        Fault::Pause { ms }
+        | Fault::BrokerRestart { ms }
+        | Fault::MemoryAlarm { ms }
+        | Fault::FullQueue { ms }
+        | Fault::Stall { pg: false, ms } => *ms >= 25_000,
+        _ => false,
+    })
 }
 
 /// How many recoveries of a lost slot the relays of this run started by
