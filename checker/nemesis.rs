@@ -796,8 +796,11 @@ pub async fn inflict(
                 .query_one(
                     "SELECT to_char(least(now(), min(xact_start)) AT TIME ZONE 'UTC' \
                      - interval '1 second', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
-                     FROM pg_stat_activity WHERE backend_type = 'client backend'",
-                    &[],
+                     FROM pg_stat_activity WHERE backend_type = 'client backend' \
+                     AND usename <> $1",
+                    // Not the relay's own (a recovery's or republish's
+                    // long read): only a writer can write the new table.
+                    &[&w.role],
                 )
                 .await
                 .map_err(|e| format!("reading the oldest open transaction: {e}"))?
