@@ -243,6 +243,15 @@ fn out_of_order(
 /// owed), a gap, a loss, a rolled-back event, a dead letter without a
 /// reason. `Err` names the first it judged wrongly.
 pub fn self_check() -> Result<(), String> {
+    let t = log_time("1970-01-02T00:00:01.500000Z  WARN ...");
+    if t != Some(std::time::UNIX_EPOCH + std::time::Duration::from_millis(86_401_500)) {
+        return Err(format!("a log line's time read as {t:?}"));
+    }
+    if log_time("2026-12-05T17:18:22.890833Z x")
+        != Some(std::time::UNIX_EPOCH + std::time::Duration::from_micros(1_796_491_102_890_833))
+    {
+        return Err("2026-12-05T17:18:22.890833Z read wrong".into());
+    }
     let t0 = Instant::now();
     let at = |s: u64| t0 + std::time::Duration::from_secs(s);
     let ev = |id: &str, agg: &str, commit: u64| Committed {
@@ -347,4 +356,29 @@ pub fn self_check() -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The time a relay log line starts with (`2026-12-05T17:18:22.890833Z`,
+/// UTC, as the relay logs).
+pub fn log_time(line: &str) -> Option<std::time::SystemTime> {
+    let ts = line.split_whitespace().next()?.strip_suffix('Z')?;
+    let (date, time) = ts.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|x| x.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.splitn(3, ':').map(|x| x.parse::<i64>().ok());
+    let (h, min, sec) = (t.next()??, t.next()??, t.next()??);
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((m + 9) % 12) + 2) / 5 + day - 1;
+    let days = era * 146_097 + yoe * 365 + yoe / 4 - yoe / 100 + doy - 719_468;
+    let secs = u64::try_from(days * 86_400 + h * 3_600 + min * 60 + sec).ok()?;
+    let micros: u64 = format!("{frac:0<6}").get(..6)?.parse().ok()?;
+    Some(
+        std::time::UNIX_EPOCH
+            + std::time::Duration::from_secs(secs)
+            + std::time::Duration::from_micros(micros),
+    )
 }

@@ -85,6 +85,8 @@ pub async fn bounded(s: &Schedule) -> Report {
 
 async fn run(s: &Schedule) -> Report {
     let started = Instant::now();
+    // The relay logs wall-clock times; the checker's clock is monotonic.
+    let clock = (std::time::SystemTime::now(), started);
     let mut report = Report {
         seed: s.seed,
         schedule: s.to_string(),
@@ -226,16 +228,24 @@ async fn run(s: &Schedule) -> Report {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let got = consumer.snapshot();
     // First deliveries keep commit order per aggregate until the first
-    // moment the README says they may not (the supervisor's
-    // `order_broken`: a nack's retry comes after later events; a
-    // re-publication goes by created_at). A bounded queue may nack
-    // whenever the consumer lags: no order then.
-    let order = (!s.setup.bounded_queue).then(|| {
-        sup.lock()
-            .unwrap()
-            .order_broken
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400))
+    // moment the README says they may not: the supervisor's
+    // `order_broken` (a re-publication goes by created_at), or the first
+    // nack a relay logged (its retry comes after later events; a bounded
+    // queue nacks whenever the consumer lags), less a margin for the
+    // deliveries that passed the nacked message before the relay heard.
+    let nacked = first_nack(w.dir.path()).map(|t| {
+        let since = t.duration_since(clock.0).unwrap_or_default();
+        (clock.1 + since)
+            .checked_sub(NACK_MARGIN)
+            .unwrap_or(clock.1)
     });
+    let order = Some(
+        [sup.lock().unwrap().order_broken, nacked]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400)),
+    );
     // Read again: a statement given up on may have committed meanwhile.
     let record = match oracle::committed(&pg_connect_retry().await, &w.observer, &w.record).await {
         Ok(again) if again.len() >= record.len() => again,
@@ -536,9 +546,25 @@ fn holds_confirms(s: &Schedule) -> bool {
     })
 }
 
-/// How many recoveries of a lost slot the relays of this run started by
-/// themselves (not resumed), from their logs in `dir`.
-fn recoveries_started(dir: &std::path::Path) -> usize {
+/// How long before a relay logged a nack first deliveries may already have
+/// left commit order (the broker's nack, the relay's log line).
+const NACK_MARGIN: Duration = Duration::from_secs(10);
+
+/// When a relay of this run first logged a nack, from its logs in `dir`.
+fn first_nack(dir: &std::path::Path) -> Option<std::time::SystemTime> {
+    relay_logs(dir)
+        .iter()
+        .flat_map(|log| {
+            log.lines()
+                .filter(|l| l.contains("broker nacked"))
+                .filter_map(oracle::log_time)
+                .min()
+        })
+        .min()
+}
+
+/// The logs of the relays of this run, in `dir`.
+fn relay_logs(dir: &std::path::Path) -> Vec<String> {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -548,6 +574,14 @@ fn recoveries_started(dir: &std::path::Path) -> usize {
             n.starts_with("relay-") && n.ends_with(".log")
         })
         .filter_map(|f| std::fs::read_to_string(f.path()).ok())
+        .collect()
+}
+
+/// How many recoveries of a lost slot the relays of this run started by
+/// themselves (not resumed), from their logs in `dir`.
+fn recoveries_started(dir: &std::path::Path) -> usize {
+    relay_logs(dir)
+        .iter()
         .map(|log| {
             // Not a resumed one ("window=rows of the recovery recorded
             // earlier, ...").
