@@ -108,6 +108,17 @@ async fn run(s: &Schedule) -> Report {
         for (gap, f) in &s.faults {
             tokio::time::sleep(Duration::from_millis(u64::from(*gap))).await;
             timeline.push((Instant::now(), f.kind()));
+            // A bounded queue fills whenever the consumer lags; a nack
+            // the relay never heard (its connection cut, the relay killed
+            // or restarted) leaves no log line, yet its replay comes after
+            // later events: in such runs order is owed until the first
+            // fault only.
+            if s.setup.bounded_queue {
+                sup.lock()
+                    .unwrap()
+                    .order_broken
+                    .get_or_insert_with(Instant::now);
+            }
             if let Err(e) = inflict(&w, &sup, &consumer, f).await {
                 failures.push(format!("{f}: {e}"));
             }
@@ -555,9 +566,11 @@ fn first_nack(dir: &std::path::Path) -> Option<std::time::SystemTime> {
     relay_logs(dir)
         .iter()
         .flat_map(|log| {
+            // A nack line whose time cannot be read counts from the start:
+            // no order judged, rather than judged past it.
             log.lines()
                 .filter(|l| l.contains("broker nacked"))
-                .filter_map(oracle::log_time)
+                .map(|l| oracle::log_time(l).unwrap_or(std::time::UNIX_EPOCH))
                 .min()
         })
         .min()

@@ -295,6 +295,9 @@ listen = "127.0.0.1:0"
             "OUTBOX_RELAY_LOG",
             std::env::var("CHECK_RELAY_LOG").unwrap_or_else(|_| "info".into()),
         );
+        // Text, with its UTC timestamps: the oracle reads when a relay
+        // first logged a nack.
+        c.env("OUTBOX_RELAY_LOG_FORMAT", "text");
         c
     }
 
