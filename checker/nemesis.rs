@@ -898,7 +898,7 @@ async fn ddl_once(sql: &str, applied: Option<&str>) -> Result<(), String> {
 }
 
 /// From now on, first deliveries may leave commit order (as documented).
-fn order_broken(sup: &Mutex<Supervisor>) {
+pub fn order_broken(sup: &Mutex<Supervisor>) {
     sup.lock()
         .unwrap()
         .order_broken

@@ -114,10 +114,7 @@ async fn run(s: &Schedule) -> Report {
             // later events: in such runs order is owed until the first
             // fault only.
             if s.setup.bounded_queue {
-                sup.lock()
-                    .unwrap()
-                    .order_broken
-                    .get_or_insert_with(Instant::now);
+                crate::nemesis::order_broken(&sup);
             }
             if let Err(e) = inflict(&w, &sup, &consumer, f).await {
                 failures.push(format!("{f}: {e}"));
