@@ -26,3 +26,10 @@ ALTER TABLE public.outbox_relay_checkpoint
   ADD COLUMN IF NOT EXISTS recovery_after_id      text,
   ADD COLUMN IF NOT EXISTS recovery_done          bigint,
   ADD COLUMN IF NOT EXISTS system_identifier      text;
+-- Added next: what the publication held of the outbox tables when the
+-- relay last started, and the time from which rows of a table changed since
+-- may date: a table dropped and created again while no relay ran stops the
+-- next start until `outbox-relay republish --since` has sent its rows.
+ALTER TABLE public.outbox_relay_checkpoint
+  ADD COLUMN IF NOT EXISTS coverage       jsonb,
+  ADD COLUMN IF NOT EXISTS coverage_since timestamptz;

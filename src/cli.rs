@@ -497,7 +497,11 @@ pub async fn republish(
     table: Option<&str>,
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
-    let (selected, p) = crate::recover::republish(cfg, &sel, table, stop).await?;
+    let crate::recover::Republished {
+        selected,
+        published: p,
+        unacknowledged,
+    } = crate::recover::republish(cfg, &sel, table, stop).await?;
     if let crate::recover::Selection::Ids(ids) = &sel
         && (selected as usize) < ids.len()
     {
@@ -517,6 +521,26 @@ pub async fn republish(
             "stopped after {} of {selected} rows",
             p.confirmed
         )));
+    }
+    if let Some((_, needs)) = unacknowledged.first() {
+        let tables: Vec<String> = (unacknowledged.iter())
+            .filter_map(|(key, _)| {
+                let o = cfg.outboxes.iter().find(|o| o.key_of("table") == *key)?;
+                Some(o.table()?.to_string())
+            })
+            .collect();
+        return Err(crate::source::SourceError::Setup(format!(
+            "outbox table {} was dropped and created again (or its publication changed) since \
+             the relay last ran, and its rows may date from {needs}, before --since: the relay \
+             refuses to start until `outbox-relay republish --since {needs}`{} has run",
+            tables.join(", "),
+            if cfg.outboxes.len() > 1 && tables.len() == 1 {
+                format!(" --table {}", tables[0])
+            } else {
+                String::new()
+            }
+        ))
+        .into());
     }
     Ok(())
 }

@@ -37,7 +37,7 @@ use crate::sink::publisher::{self, SinkItem};
 use crate::sink::refusals::{Refusals, learn};
 use crate::sink::{AmqpSink, SinkError};
 use crate::source::checkpoint_table;
-use crate::source::coverage::{Coverage, Seen};
+use crate::source::coverage::{self, Coverage, Seen};
 use crate::source::longest_tx::LongestTx;
 use crate::source::resume;
 use crate::source::silence::{self, Silence, Silent};
@@ -48,7 +48,7 @@ pub use crate::error::RelayError;
 mod gate;
 mod side;
 use gate::gate;
-use side::{liveness, side_tasks};
+use side::{Beside, liveness, side_tasks};
 
 /// Items buffered between the loops; with their byte budget
 /// ([`ByteBudget`]), the confirm window (count and bytes) and the
@@ -218,6 +218,21 @@ async fn session(
                     None
                 }
             };
+        // What the outbox tables' coverage was when the last session (of
+        // any process) started: a change since, while no relay streamed,
+        // is found below.
+        let recorded = bounded(
+            "reading the recorded coverage",
+            coverage::recorded(&sql, cfg),
+        )
+        .await?;
+        // Rows of a table changed later may date from as long before as
+        // the longest transaction seen (see coverage::read_position).
+        let longest_secs = (checkpoint.as_ref())
+            .and_then(|c| c.longest_tx_secs)
+            .unwrap_or(0.0)
+            .max(longest.lock().await.longest_secs);
+        let widen_secs = longest_secs + coverage::WIDEN_MARGIN_SECS;
         let checkpoint = checkpoint.and_then(|c| {
             let lsn = c.confirmed_lsn.parse::<Lsn>().ok()?;
             Some((c.system_identifier, lsn))
@@ -249,14 +264,40 @@ async fn session(
             oids.push(bounded("looking up the outbox table", found).await?);
         }
         slot::check_overlap(cfg, &oids)?;
+        // Before the publication's check: a table re-created since, and
+        // added back by `setup`, needs `republish`, which this names.
+        let previous = recorded.as_ref().or(known.1.as_ref());
+        let baseline = Coverage::baseline(&sql, cfg, &oids, widen_secs, previous);
+        let coverage = match bounded("reading the publication", baseline).await {
+            Ok(c) => c,
+            // A change: what the publication lacks now is said too (a row
+            // filter, a table not added back), after the `republish` the
+            // change needs.
+            Err(RelayError::Source(change @ SourceError::Setup(_))) => {
+                let publication = slot::require_publication(&sql, cfg, &oids);
+                return Err(
+                    match bounded("reading the publication", publication).await {
+                        Err(RelayError::Source(SourceError::Setup(lacks))) => {
+                            SourceError::Setup(format!("{change}; besides: {lacks}"))
+                        }
+                        _ => change,
+                    }
+                    .into(),
+                );
+            }
+            Err(e) => return Err(e),
+        };
+        // Recorded before the publication is checked: a table the
+        // publication does not hold yet is recorded so, and once `setup`
+        // adds it, the next start names the `republish` its rows need.
+        bounded(
+            "recording the outbox tables' coverage",
+            coverage.record(&sql, cfg, recorded.as_ref(), (start, &server.system_id)),
+        )
+        .await?;
         bounded(
             "reading the publication",
             slot::require_publication(&sql, cfg, &oids),
-        )
-        .await?;
-        let coverage = bounded(
-            "reading the publication",
-            Coverage::baseline(&sql, cfg, &oids, known.1.as_ref()),
         )
         .await?;
         known.0.clone_from(&oids);
@@ -336,16 +377,23 @@ async fn session(
         (Arc::clone(&probe), Arc::clone(&alive)),
         stop.clone(),
     ));
+    let (since_tx, since_rx) = watch::channel(coverage.last_good().to_owned());
     let gated = tokio::spawn(gate(
         cfg.clone(),
         Arc::clone(&sql),
-        coverage,
+        (coverage, since_tx),
+        Arc::clone(longest),
         (wm_rx, reported_tx),
         (stop.clone(), sink_done.clone()),
     ));
     let side = tokio::spawn(side_tasks(
         cfg.clone(),
-        (sql, Arc::clone(longest), server.system_id.clone()),
+        Beside {
+            sql,
+            longest: Arc::clone(longest),
+            system_id: server.system_id.clone(),
+            coverage_since: since_rx,
+        },
         reported.clone(),
         metrics.clone(),
         stop.clone(),

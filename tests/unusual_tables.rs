@@ -161,6 +161,141 @@ async fn an_outbox_swapped_by_rename_stops_the_relay() {
     replaced_outbox_stops_the_relay(f, &rename, "now names another table").await;
 }
 
+/// The outbox dropped and created again while no relay runs (killed
+/// before its next reading of the publication could see the change), and
+/// added back by `setup` before the next start: the new table's rows
+/// written before `setup` were never decoded. The next relay must not take
+/// the catalog as it finds it: the checkpoint row records what the last
+/// session started from, and the start refuses, naming `republish
+/// --since`; a `republish` from a later time does not lift the refusal, the
+/// named one does, and every row arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_recreated_while_no_relay_runs_stops_the_next_start() {
+    let mut f = Fixture::new("recreatedoff").await;
+    let (pg, relay) = f.streaming().await;
+    let first = f
+        .insert(&pg, "order", "o-first", "placed", &json!({}))
+        .await;
+    f.expect_delivered(std::slice::from_ref(&first), &relay)
+        .await;
+    // The checkpoint row records the coverage (written at the session's
+    // start) before the relay dies.
+    relay.kill9();
+    pg.batch_execute(&format!(
+        "DROP TABLE {}; {} {}",
+        f.table,
+        outbox_ddl(&f),
+        f.grant_sql(&f.table)
+    ))
+    .await
+    .unwrap();
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        ids.push(
+            f.insert(&pg, "order", &format!("before-{i}"), "placed", &json!({}))
+                .await,
+        );
+    }
+    f.relay_ok("setup", &[]);
+    for i in 0..10 {
+        ids.push(
+            f.insert(&pg, "order", &format!("after-{i}"), "placed", &json!({}))
+                .await,
+        );
+    }
+
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(
+        !status.success() && log.contains("was dropped") && log.contains("republish --since"),
+        "the start after the table was re-created must refuse: {log}"
+    );
+    let since = republish_since(&log);
+
+    // A republish of the last seconds (an operator's unrelated one) does
+    // not cover the change: the start still refuses.
+    let now: String = pg
+        .query_one(
+            "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let out = f
+        .relay_cmd("republish")
+        .args(["--since", &now])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains(&format!("republish --since {since}")),
+        "a republish that does not cover the change must say so: {said}"
+    );
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(
+        !status.success() && log.contains(&format!("republish --since {since}")),
+        "a republish from after the change must not lift the refusal: {log}"
+    );
+
+    f.relay_ok("republish", &["--since", &since]);
+    let relay = f.spawn_relay();
+    f.expect_delivered(&ids, &relay).await;
+    assert!(
+        relay
+            .wait_log("streaming from LSN", Duration::from_secs(30))
+            .await,
+        "{}",
+        relay.log_tail()
+    );
+    relay.stop_ok();
+    f.cleanup().await;
+}
+
+/// The publication told to publish no inserts, and back, while no relay
+/// runs: the flags are as they were, but the rows written meanwhile were
+/// never decoded. The publication's row was rewritten, which the record
+/// in the checkpoint row tells: the next start refuses until `republish`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_toggled_while_no_relay_runs_stops_the_next_start() {
+    let mut f = Fixture::new("toggledoff").await;
+    let (pg, relay) = f.streaming().await;
+    let first = f
+        .insert(&pg, "order", "o-first", "placed", &json!({}))
+        .await;
+    f.expect_delivered(std::slice::from_ref(&first), &relay)
+        .await;
+    relay.stop_ok();
+    let publication = format!("ALTER PUBLICATION \"{}\"", f.publication);
+    pg.batch_execute(&format!("{publication} SET (publish = 'update')"))
+        .await
+        .unwrap();
+    let unpublished = f.insert(&pg, "order", "o-gap", "placed", &json!({})).await;
+    pg.batch_execute(&format!("{publication} SET (publish = 'insert')"))
+        .await
+        .unwrap();
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(
+        !status.success() && log.contains("changed what it publishes"),
+        "the start after the publication changed must refuse: {log}"
+    );
+    let since = republish_since(&log);
+    f.relay_ok("republish", &["--since", &since]);
+    let relay = f.spawn_relay();
+    f.expect_delivered(&[unpublished], &relay).await;
+    assert!(
+        relay
+            .wait_log("streaming from LSN", Duration::from_secs(30))
+            .await,
+        "{}",
+        relay.log_tail()
+    );
+    relay.stop_ok();
+    f.cleanup().await;
+}
+
 /// `sql/outbox.sql`, creating the fixture's outbox table.
 fn outbox_ddl(f: &Fixture) -> String {
     std::fs::read_to_string(repo_path("sql/outbox.sql"))
@@ -315,17 +450,32 @@ async fn replaced_outbox_stops_the_relay(mut f: Fixture, away: &str, said: &str)
     );
     let since = republish_since(&log);
 
-    // The next start refuses while the publication does not hold it.
-    let mut relay = f.spawn_relay();
-    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
-    assert!(!status.success(), "{log}");
-    assert!(log.contains("republish --since"), "{log}");
+    // The next start refuses while the publication does not hold it, and
+    // after `setup` added it, until `republish` sent the rows.
+    for remedy in [None, Some("setup")] {
+        if let Some(cmd) = remedy {
+            f.relay_ok(cmd, &[]);
+        }
+        let mut relay = f.spawn_relay();
+        let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+        assert!(!status.success(), "after {remedy:?}: {log}");
+        assert!(
+            log.contains(&format!("republish --since {since}")),
+            "after {remedy:?}: {log}"
+        );
+    }
 
-    // The remedy: setup adds the table, republish sends its rows.
-    f.relay_ok("setup", &[]);
-    let relay = f.spawn_relay();
+    // The remedy: setup added the table, republish sends its rows.
     f.relay_ok("republish", &["--since", &since]);
+    let relay = f.spawn_relay();
     f.expect_delivered(&ids, &relay).await;
+    assert!(
+        relay
+            .wait_log("streaming from LSN", Duration::from_secs(30))
+            .await,
+        "{}",
+        relay.log_tail()
+    );
     relay.stop_ok();
     pg.batch_execute(&format!(
         "DROP TABLE {other}; DROP TABLE IF EXISTS {}_old",

@@ -42,6 +42,7 @@ use crate::error::RelayError;
 use crate::sink::refusals::{Refusals, learn};
 use crate::sink::replies::Disposition;
 use crate::source::checkpoint_table::{self, Recovery};
+use crate::source::coverage::Snapshot;
 use crate::source::slot::{self, SlotInfo};
 use crate::source::{SourceError, connect_sql, sql_err};
 
@@ -240,6 +241,17 @@ async fn recover_with(
         ))?;
     checkpoint_table::set_recovery(&client, cfg, Some(&recovery)).await?;
     info!(%window, rows = selected, "recovery recorded");
+    if !resumed {
+        // Its window starts at the checkpoint, before any change the
+        // coverage could have missed, and its rows are read after this:
+        // the tables as they are now are covered (a change from now on is
+        // found by the next start).
+        let keys = table_keys(cfg, &rows::tables(cfg, None)?);
+        snapshot(&client, cfg)
+            .await?
+            .acknowledge(&client, cfg, &keys, None)
+            .await?;
+    }
     if !slot_ok(&info) {
         // New slot first: every commit after its creation is streamed by
         // `run`; every row visible now is re-published here.
@@ -422,6 +434,19 @@ fn unfinished(done: &Published, selected: i64, stop: &CancellationToken) -> Resu
     )))
 }
 
+/// What `republish` did.
+#[derive(Debug)]
+pub struct Republished {
+    /// Rows the selection took.
+    pub selected: i64,
+    /// What was sent and confirmed.
+    pub published: Published,
+    /// Tables dropped and created again (or whose publication changed)
+    /// since the relay last ran that this `republish` did not cover, each
+    /// with the `--since` it needs: the relay refuses to start until then.
+    pub unacknowledged: Vec<(String, String)>,
+}
+
 /// `republish`: the selected rows of every outbox table (or of the one
 /// `table` names), table by table in their order (see [`rows::Key`]).
 pub async fn republish(
@@ -429,9 +454,11 @@ pub async fn republish(
     sel: &Selection,
     table: Option<&str>,
     stop: &CancellationToken,
-) -> Result<(i64, Published), RelayError> {
+) -> Result<Republished, RelayError> {
     let tables = rows::tables(cfg, table)?;
     let mut client = connect_sql(&cfg.postgres).await?;
+    // Before any row is read: a change after this is not covered by them.
+    let hold = snapshot(&client, cfg).await?;
     let names: Vec<String> = (tables.iter())
         .filter_map(|&i| Some(cfg.outboxes[i].table()?.quoted()))
         .collect();
@@ -439,7 +466,7 @@ pub async fn republish(
     let selected = rows::count(&client, cfg, sel, &tables).await?;
     let mut rows = rows::Rows::open(&mut client, cfg, sel, &tables).await?;
     let refusals = Refusals::default();
-    let (done, err) = publish::publish_rows(
+    let (published, err) = publish::publish_rows(
         cfg,
         &mut rows,
         (Some(selected), &refusals),
@@ -447,8 +474,38 @@ pub async fn republish(
         |_| async {},
     )
     .await;
-    match err {
-        Some(e) => Err(e),
-        None => Ok((selected, done)),
+    drop(rows);
+    if let Some(e) = err {
+        return Err(e);
     }
+    let mut unacknowledged = Vec::new();
+    if let Selection::Since { since, until: None } = sel
+        && published.complete
+    {
+        let keys = table_keys(cfg, &tables);
+        unacknowledged = hold.acknowledge(&client, cfg, &keys, Some(since)).await?;
+    }
+    Ok(Republished {
+        selected,
+        published,
+        unacknowledged,
+    })
+}
+
+/// What the publication holds of the outbox tables now (see
+/// `source::coverage`): read before rows are, for [`Snapshot::acknowledge`]
+/// once they are sent.
+async fn snapshot(client: &Client, cfg: &Config) -> Result<Snapshot, RelayError> {
+    let mut oids = Vec::with_capacity(cfg.outboxes.len());
+    for outbox in &cfg.outboxes {
+        oids.push(slot::outbox_oids(client, cfg, outbox, None).await?);
+    }
+    Ok(Snapshot::read(client, cfg, &oids).await?)
+}
+
+/// The config keys of the outbox `tables` (indices into the config).
+fn table_keys(cfg: &Config, tables: &[usize]) -> Vec<String> {
+    (tables.iter())
+        .map(|&i| cfg.outboxes[i].key_of("table"))
+        .collect()
 }

@@ -25,7 +25,8 @@ const UNREAD_LIMIT: Duration = Duration::from_secs(30);
 pub(super) async fn gate(
     cfg: Config,
     sql: Arc<tokio_postgres::Client>,
-    mut coverage: Coverage,
+    (mut coverage, since): (Coverage, watch::Sender<String>),
+    longest: Arc<tokio::sync::Mutex<LongestTx>>,
     (mut watermark, reported): (watch::Receiver<Progress>, watch::Sender<Progress>),
     (stop, sink_done): (CancellationToken, CancellationToken),
 ) -> Result<(), SourceError> {
@@ -43,16 +44,28 @@ pub(super) async fn gate(
             _ = sink_done.cancelled() => break,
             Ok(()) = watermark.changed() => {}
             _ = tick.tick(), if behind => {
+                // Busy only while the side task samples it.
+                if let Ok(l) = longest.try_lock() {
+                    coverage.widen(l.longest_secs);
+                }
                 let read = tokio::time::timeout(SQL_DEADLINE, coverage.verify(&sql, pg)).await;
                 let failed = match read {
                     Ok(Ok(at)) => {
                         vouched = vouched.max(at);
                         unread_since = None;
+                        since.send_if_modified(|s| {
+                            let newer = s != coverage.last_good();
+                            if newer {
+                                coverage.last_good().clone_into(s);
+                            }
+                            newer
+                        });
                         continue;
                     }
-                    Ok(Err(Uncertain::Changed(e))) => {
+                    Ok(Err(Uncertain::Changed(change))) => {
                         stop.cancel();
-                        return Err(e);
+                        record_since(&sql, &cfg, &coverage).await;
+                        return Err(change.error(coverage.last_good()));
                     }
                     Ok(Err(Uncertain::Unread(e))) => e.to_string(),
                     Err(_) => format!("no answer within {SQL_DEADLINE:?}"),
@@ -75,12 +88,27 @@ pub(super) async fn gate(
     if wm.lsn > vouched {
         match tokio::time::timeout(FINAL_DEADLINE, coverage.verify(&sql, pg)).await {
             Ok(Ok(at)) => vouched = vouched.max(at),
-            Ok(Err(Uncertain::Changed(e))) => return Err(e),
+            Ok(Err(Uncertain::Changed(change))) => {
+                record_since(&sql, &cfg, &coverage).await;
+                return Err(change.error(coverage.last_good()));
+            }
             _ => debug!("the last coverage reading failed; the position after it will be replayed"),
         }
     }
     forward(&reported, wm, vouched);
     Ok(())
+}
+
+/// After a change: the time the stop names (`republish --since`) goes to
+/// the checkpoint row, where `republish` finds it covers the change and
+/// lets the next start through (see `source::coverage`). Not recorded, the
+/// next start names an earlier time, the row's.
+async fn record_since(sql: &tokio_postgres::Client, cfg: &Config, coverage: &Coverage) {
+    match tokio::time::timeout(SQL_DEADLINE, coverage.record_since(sql, cfg)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "cannot record the time the stop names"),
+        Err(_) => warn!("cannot record the time the stop names: no answer"),
+    }
 }
 
 /// `wm` when vouched for, else the vouched position with the commit time

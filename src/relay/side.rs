@@ -4,16 +4,27 @@
 
 use super::*;
 
+/// What the side tasks write with: the session's SQL connection, the
+/// longest transaction sampled, the cluster's system identifier, and the
+/// time the coverage's last good reading names (see `source::coverage`).
+pub(super) struct Beside {
+    pub sql: Arc<tokio_postgres::Client>,
+    pub longest: Arc<tokio::sync::Mutex<LongestTx>>,
+    pub system_id: String,
+    pub coverage_since: watch::Receiver<String>,
+}
+
 /// Work beside the stream that needs the SQL connection: the checkpoint
 /// table, the optional heartbeat, and the retained-WAL gauge. Failures here
 /// are logged, never fatal: the slot remains the source of truth.
 pub(super) async fn side_tasks(
     cfg: Config,
-    (sql, longest, system_id): (
-        Arc<tokio_postgres::Client>,
-        Arc<tokio::sync::Mutex<LongestTx>>,
-        String,
-    ),
+    Beside {
+        sql,
+        longest,
+        system_id,
+        coverage_since,
+    }: Beside,
     mut progress: watch::Receiver<Progress>,
     metrics: Metrics,
     stop: CancellationToken,
@@ -45,7 +56,10 @@ pub(super) async fn side_tasks(
                 // on keepalives would itself make WAL, forever.
                 let p = *progress.borrow_and_update();
                 if p.commit_time_us.is_some() && p.commit_time_us != written {
-                    let write = tokio::time::timeout(SQL_DEADLINE, checkpoint_table::write(&sql, &cfg, p, &system_id));
+                    // The coverage's reading vouched for the position
+                    // reported; its time, read now, is no older.
+                    let since = coverage_since.borrow().clone();
+                    let write = tokio::time::timeout(SQL_DEADLINE, checkpoint_table::write(&sql, &cfg, p, (&system_id, &since)));
                     match write.await.unwrap_or_else(|_| Err(SourceError::Timeout("writing the checkpoint".into()))) {
                         Ok(()) => written = p.commit_time_us,
                         Err(e) if !checkpoint_warned => {

@@ -12,7 +12,8 @@ use crate::checkpoint::Progress;
 use crate::config::Config;
 
 /// DDL of the checkpoint table (also in `sql/checkpoint.sql`): created, and
-/// brought up to date when an older version made it. The table is created
+/// brought up to date when an older version made it (by its owner: another
+/// role gets a warning, and the relay works without the new columns). The table is created
 /// and the columns added only when missing, so a role that may not create
 /// in the schema nor owns the table (`sql/role.sql`'s) can run it once
 /// they exist: PostgreSQL checks CREATE on the schema even for `CREATE
@@ -30,14 +31,21 @@ pub fn create_sql(cfg: &Config) -> String {
                written_at       timestamptz NOT NULL DEFAULT now()\n);\n\
            END IF;\n\
            IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{literal}'::regclass \
-                          AND attname = 'system_identifier' AND NOT attisdropped) THEN\n\
+                          AND attname = 'coverage_since' AND NOT attisdropped) THEN\n\
+             BEGIN\n\
              ALTER TABLE {t}\n  \
                ADD COLUMN IF NOT EXISTS longest_tx_secs        float8,\n  \
                ADD COLUMN IF NOT EXISTS recovery_since         timestamptz,\n  \
                ADD COLUMN IF NOT EXISTS recovery_after_created timestamptz,\n  \
                ADD COLUMN IF NOT EXISTS recovery_after_id      text,\n  \
                ADD COLUMN IF NOT EXISTS recovery_done          bigint,\n  \
-               ADD COLUMN IF NOT EXISTS system_identifier      text;\n\
+               ADD COLUMN IF NOT EXISTS system_identifier      text,\n  \
+               ADD COLUMN IF NOT EXISTS coverage               jsonb,\n  \
+               ADD COLUMN IF NOT EXISTS coverage_since         timestamptz;\n\
+             EXCEPTION WHEN insufficient_privilege THEN\n\
+               RAISE WARNING 'outbox-relay: cannot add the newest columns of the checkpoint \
+                 table (not its owner): run sql/checkpoint.sql as its owner';\n\
+             END;\n\
            END IF;\n\
          END $outbox_relay$"
     )
@@ -145,45 +153,55 @@ pub async fn set_recovery(
 }
 
 /// Records `p` for the configured slot, written on the cluster
-/// `system_id`. A table made before it recorded the cluster gets the rest.
+/// `system_id`, with the time from which rows of an outbox table changed
+/// since may date (`coverage_since`, see `source::coverage`). A table made
+/// before it recorded these gets the rest.
 pub async fn write(
     client: &Client,
     cfg: &Config,
     p: Progress,
-    system_id: &str,
+    (system_id, coverage_since): (&str, &str),
 ) -> Result<(), SourceError> {
     let t = cfg.postgres.checkpoint_table.quoted();
-    let sql = format!(
-        "INSERT INTO {t} (slot_name, confirmed_lsn, last_commit_time, written_at, system_identifier) \
-         VALUES ($1, $2::text::pg_lsn, to_timestamp($3::float8 / 1e6), now(), $4) \
-         ON CONFLICT (slot_name) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, \
-         last_commit_time = EXCLUDED.last_commit_time, written_at = EXCLUDED.written_at, \
-         system_identifier = EXCLUDED.system_identifier"
-    );
     let commit_us = p.commit_time_us.map(|t| t as f64);
     let lsn = p.lsn.to_string();
-    let r = client
-        .execute(&sql, &[&cfg.postgres.slot, &lsn, &commit_us, &system_id])
-        .await;
-    match r {
-        // 42703: no such column (`setup` not run since upgrading).
-        Err(e) if e.code().is_some_and(|c| c.code() == "42703") => {
-            let sql = format!(
-                "INSERT INTO {t} (slot_name, confirmed_lsn, last_commit_time, written_at) \
-                 VALUES ($1, $2::text::pg_lsn, to_timestamp($3::float8 / 1e6), now()) \
-                 ON CONFLICT (slot_name) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, \
-                 last_commit_time = EXCLUDED.last_commit_time, written_at = EXCLUDED.written_at"
-            );
-            client
-                .execute(&sql, &[&cfg.postgres.slot, &lsn, &commit_us])
-                .await
-                .map_err(sql_err(&cfg.postgres, "writing the checkpoint"))?;
-        }
-        r => {
-            r.map_err(sql_err(&cfg.postgres, "writing the checkpoint"))?;
+    // The newest columns first; 42703 (no such column: `setup` not run
+    // since upgrading) falls back to the columns of older versions.
+    let extra: [(&str, &str); 3] = [
+        (
+            ", system_identifier, coverage_since",
+            ", $4, $5::text::timestamptz",
+        ),
+        (", system_identifier", ", $4"),
+        ("", ""),
+    ];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
+        &cfg.postgres.slot,
+        &lsn,
+        &commit_us,
+        &system_id,
+        &coverage_since,
+    ];
+    for (i, (columns, values)) in extra.iter().enumerate() {
+        let set: String = (columns.split(", ").filter(|c| !c.is_empty()))
+            .map(|c| format!(", {c} = EXCLUDED.{c}"))
+            .collect();
+        let sql = format!(
+            "INSERT INTO {t} (slot_name, confirmed_lsn, last_commit_time, written_at{columns}) \
+             VALUES ($1, $2::text::pg_lsn, to_timestamp($3::float8 / 1e6), now(){values}) \
+             ON CONFLICT (slot_name) DO UPDATE SET confirmed_lsn = EXCLUDED.confirmed_lsn, \
+             last_commit_time = EXCLUDED.last_commit_time, written_at = EXCLUDED.written_at{set}"
+        );
+        let r = client.execute(&sql, &params[..params.len() - i]).await;
+        match r {
+            Err(e) if e.code().is_some_and(|c| c.code() == "42703") && i + 1 < extra.len() => {}
+            r => {
+                r.map_err(sql_err(&cfg.postgres, "writing the checkpoint"))?;
+                return Ok(());
+            }
         }
     }
-    Ok(())
+    unreachable!("the last form of the write returns")
 }
 
 /// A recorded checkpoint.

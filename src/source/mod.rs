@@ -101,6 +101,10 @@ pub enum SourceError {
         /// The process holding it.
         pid: i32,
     },
+    /// Another process wrote what this one was about to replace (a
+    /// compare-and-set that found the row changed): read again.
+    #[error("{0}; trying again")]
+    Raced(String),
     /// The WAL stream could not be understood.
     #[error(transparent)]
     Stream(#[from] crate::outbox::StreamError),
@@ -137,6 +141,7 @@ impl SourceError {
             SourceError::Ended
             | SourceError::Moved(_)
             | SourceError::Stalled(_)
+            | SourceError::Raced(_)
             | SourceError::SlotBusy { .. }
             | SourceError::Connect { .. }
             | SourceError::Timeout(_) => true,
