@@ -972,5 +972,18 @@ async fn operator(w: &World, sup: &Mutex<Supervisor>, args: &[&str]) -> Result<(
         eprintln!("checker: {} refused while a recovery runs", args.join(" "));
         return Ok(());
     }
+    // A `republish` from after a re-created table's rows sends its rows and
+    // then says that it did not cover the change (README, guarantee 6a):
+    // only a re-creation explains it.
+    if args[0] == "republish"
+        && sup.lock().unwrap().recreated > 0
+        && last.contains("the relay refuses to start until")
+    {
+        eprintln!(
+            "checker: {} did not cover the re-created table",
+            args.join(" ")
+        );
+        return Ok(());
+    }
     Err(last)
 }

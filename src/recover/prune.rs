@@ -92,8 +92,7 @@ pub async fn prune(
                 "SELECT (min(extract(epoch FROM last_commit_time)) * 1e6)::float8, \
                         max((to_jsonb(c) ->> 'longest_tx_secs')::float8), \
                         bool_or(to_jsonb(c) ->> 'recovery_since' IS NOT NULL), \
-                        bool_or(last_commit_time IS NULL), \
-                        bool_or(slot_name = $1) FROM {t} c"
+                        bool_or(slot_name = $1 AND last_commit_time IS NOT NULL) FROM {t} c"
             ),
             &[&cfg.postgres.slot],
         )
@@ -103,8 +102,7 @@ pub async fn prune(
             format!("reading the checkpoints in {t}"),
         ))?;
     let (oldest, longest): (Option<f64>, Option<f64>) = (row.get(0), row.get(1));
-    let (recovering, unknown, mine): (Option<bool>, Option<bool>, Option<bool>) =
-        (row.get(2), row.get(3), row.get(4));
+    let (recovering, mine): (Option<bool>, Option<bool>) = (row.get(2), row.get(3));
     if recovering == Some(true) {
         return Err(SourceError::Setup(format!(
             "a recovery is under way (see {t}): its rows must stay until it completes; prune \
@@ -115,11 +113,14 @@ pub async fn prune(
     // This relay's own slot must have a row: without one (the relay never
     // wrote a checkpoint, or writes it elsewhere), the other slots' rows
     // say nothing of what this slot has confirmed.
-    let (Some(commit_us), Some(false), Some(true)) = (oldest, unknown, mine) else {
+    // Another slot's row without a commit time (its relay started and has
+    // confirmed nothing yet) counts as no row: that slot has no window for
+    // `recover` to re-publish.
+    let (Some(commit_us), Some(true)) = (oldest, mine) else {
         return Err(SourceError::Setup(format!(
-            "no confirmed position recorded for every slot in {t} (slot {:?}, or another): \
-             nothing is known to be confirmed there, so nothing is pruned (run the relays until \
-             they have confirmed events, or delete the rows of slots that are gone)",
+            "no confirmed position recorded for slot {:?} in {t}: nothing is known to be \
+             confirmed there, so nothing is pruned (run the relay until it has confirmed \
+             events)",
             cfg.postgres.slot
         ))
         .into());
