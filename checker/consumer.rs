@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
-use crate::common::*;
+use crate::common::amqp_url;
 
 /// Which queue a delivery came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

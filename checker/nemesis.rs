@@ -9,7 +9,9 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::*;
+use crate::common::{
+    Relay, ctl_async, pg_connect_retry, pg_ctl, rabbitmq_ctl, signal, try_server_ctl, wait_timeout,
+};
 use crate::consumer::Consumer;
 use crate::schedule::Fault;
 use crate::world::World;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use outbox_relay::lsn::Lsn;
 use tokio_util::sync::CancellationToken;
 
-use crate::common::*;
+use crate::common::{ctl_async, pg_connect_retry, rabbitmq_ctl};
 use crate::consumer::{Consumer, From};
 use crate::nemesis::{Supervisor, inflict, supervise};
 use crate::oracle::{self, Committed};

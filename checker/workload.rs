@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 
-use crate::common::*;
+use crate::common::pg_url;
 use crate::rng::Rng;
 use crate::schedule::{Hostile, Shape, Tx};
 use crate::world::{AGGREGATES, World};

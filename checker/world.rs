@@ -11,7 +11,9 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_postgres::Client;
 
-use crate::common::*;
+use crate::common::{
+    Relay, amqp_connect, amqp_url, partitioned_ddl, pg_connect_retry, pg_url, repo_path,
+};
 use crate::proxy::Proxy;
 use crate::schedule::{Schedule, Shape};
 

@@ -32,17 +32,8 @@ use std::future::Future;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use lapin::options::ExchangeDeclareOptions;
-use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
-use tokio_postgres::Client;
-use tokio_postgres::error::SqlState;
-
-use crate::config::{Config, OutboxConfig, TableName, quote_ident, shown_url};
-use crate::outbox::PayloadKind;
-use crate::source::{SourceError, connect_sql, slot};
-use crate::tls::TlsFailure;
+use crate::config::Config;
+use crate::source::SourceError;
 
 mod broker;
 mod outbox;

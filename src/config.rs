@@ -26,7 +26,7 @@ use crate::tls::SslMode;
 pub use auth::{AuthMethod, AuthPolicy};
 use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
-use raw::*;
+use raw::{RawConfig, RawUrls};
 use secrets::with_password_file;
 use trust::{check_ca_file, postgres_trust};
 pub use types::*;

@@ -29,7 +29,6 @@
 //! Handshake failures are turned into messages that name the setting to
 //! change, see [`postgres_failure`] and [`rabbitmq_failure`].
 
-use std::error::Error as StdError;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -40,8 +39,6 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
-
-use crate::pgurl::PgTarget;
 
 /// libpq's `sslmode`, for both PostgreSQL connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

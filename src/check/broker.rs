@@ -1,6 +1,18 @@
 //! The RabbitMQ checks: every node reachable and logged in, the exchanges exist.
 
-use super::*;
+use super::{CHECK_TIMEOUT, Line};
+use crate::config::Config;
+use crate::config::shown_url;
+use crate::tls::TlsFailure;
+use lapin::Connection;
+use lapin::ConnectionProperties;
+use lapin::ExchangeKind;
+use lapin::options::ExchangeDeclareOptions;
+use lapin::protocol::AMQPErrorKind;
+use lapin::protocol::AMQPHardError;
+use lapin::protocol::AMQPSoftError;
+use lapin::types::FieldTable;
+use std::time::Duration;
 
 /// What the broker check says about an AMQP error.
 pub(super) fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> String {
@@ -270,6 +282,7 @@ pub(super) async fn exchange(conn: &Connection, name: &str, role: &str, key: &st
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::check::Level;
 
     #[test]
     fn plain_amqp_off_this_machine_is_a_warning_that_shows_no_password() {

@@ -1,6 +1,12 @@
 //! The outbox checks: the publication covers every outbox table, each table has its columns.
 
-use super::*;
+use super::{CheckError, Line, oid};
+use crate::config::Config;
+use crate::config::OutboxConfig;
+use crate::config::TableName;
+use crate::config::quote_ident;
+use crate::outbox::PayloadKind;
+use tokio_postgres::Client;
 
 /// One column of the outbox table.
 pub(super) struct TableColumn {

@@ -1,6 +1,14 @@
 //! The PostgreSQL checks: reachable, wal_level, slots and senders, the role, the slot.
 
-use super::*;
+use super::{CHECK_TIMEOUT, CheckError, Level, Line};
+use crate::config::Config;
+use crate::config::quote_ident;
+use crate::config::shown_url;
+use crate::source::SourceError;
+use crate::source::connect_sql;
+use crate::source::slot;
+use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
 
 /// The text of a PostgreSQL error: the server's message for a server error,
 /// otherwise the error and its causes.

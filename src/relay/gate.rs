@@ -2,8 +2,20 @@
 //! to the next session): the sink's watermark, held back to what the
 //! outbox tables' coverage vouches for (`source::coverage`).
 
-use super::*;
+use super::SQL_DEADLINE;
+use crate::checkpoint::Progress;
+use crate::config::Config;
+use crate::lsn::Lsn;
+use crate::source::SourceError;
 use crate::source::coverage::{Coverage, Uncertain};
+use crate::source::longest_tx::LongestTx;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+use tracing::warn;
 
 /// How often the coverage is read while the watermark waits on it. Each
 /// reading vouches for all WAL written before it, so a busy stream waits

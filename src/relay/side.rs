@@ -2,7 +2,21 @@
 //! heartbeats, retained WAL and the longest transaction, and the liveness
 //! probe of a silent stream.
 
-use super::*;
+use super::{CHECKPOINT_EVERY, RETAINED_WAL_EVERY, SQL_DEADLINE};
+use crate::checkpoint::Progress;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::source::SourceError;
+use crate::source::checkpoint_table;
+use crate::source::longest_tx::LongestTx;
+use crate::source::silence;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+use tracing::warn;
 
 /// What the side tasks write with: the session's SQL connection, the
 /// longest transaction sampled, the cluster's system identifier, and the

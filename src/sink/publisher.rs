@@ -22,15 +22,15 @@ use super::budget::ByteBudget;
 use super::refusals::{Head, Refusals};
 use super::refused::{self, Refusal, RefusedExchanges};
 use super::replies::Disposition;
+use super::unconfirmed::Unconfirmed;
 use super::wire::{Event, Found};
-use super::{AmqpSink, SinkError, Unconfirmed};
-use crate::checkpoint::{Checkpoint, CheckpointError, Progress, Seq};
+use super::{AmqpSink, SinkError};
+use crate::checkpoint::{Checkpoint, CheckpointError, Progress};
 use crate::config::RabbitmqConfig;
 use crate::logtext::Shown;
 use crate::lsn::Lsn;
 use crate::message::{
-    Envelope, MessageView, RenderError, dead_letter_unrenderable, event_id, render, view,
-    view_within,
+    Envelope, MessageView, RenderError, dead_letter_unrenderable, event_id, view_within,
 };
 use prometheus_client::metrics::counter::Counter;
 
@@ -39,7 +39,7 @@ use crate::outbox::OutboxEvent;
 
 mod inflight;
 mod settle;
-use inflight::*;
+use inflight::{ConfirmClock, Content, InFlight, after, fit_dead_letter, retry_delay, unix_now_us};
 
 /// One item from source to sink, in WAL order.
 #[derive(Debug)]

@@ -39,6 +39,7 @@ fn the_missing_exchange_is_read_from_the_404() {
     );
 }
 
+use super::wire::Returned;
 use super::*;
 
 #[allow(clippy::ptr_arg)] // the item type is String

@@ -1,8 +1,12 @@
 //! Messages published and not yet answered, by delivery tag: what one
 //! confirm (single or `multiple`), nack or return settles.
 
-use super::*;
+use super::SinkError;
+use super::wire::Event;
+use super::wire::Returned;
+use super::wire::WireError;
 use crate::logtext::shown;
+use std::collections::VecDeque;
 
 /// Messages published and not yet answered, by delivery tag, oldest first.
 /// Tags are consecutive from 1 on a new connection; the broker may answer

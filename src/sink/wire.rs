@@ -21,16 +21,15 @@ use std::fmt;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
-use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame, parse_frame};
-use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection, exchange};
-use amq_protocol::types::{AMQPValue, FieldTable, LongString};
-use amq_protocol::uri::{AMQPScheme, AMQPUri, SASLMechanism};
+use amq_protocol::frame::AMQPFrame;
+use amq_protocol::protocol::{AMQPClass, basic, channel, connection, exchange};
+use amq_protocol::types::FieldTable;
+use amq_protocol::uri::AMQPUri;
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::message::{Envelope, MessageView};

@@ -1,6 +1,8 @@
 //! TLS handshake failures, told as what to change.
 
-use super::*;
+use super::SslMode;
+use rustls::CertificateError;
+use std::error::Error as StdError;
 
 /// Why a TLS handshake failed, as far as the operator is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,20 @@
 //! PostgreSQL TLS: the SQL connection's and the replication connection's, as libpq's `sslmode` says.
 
-use super::*;
+use super::{ChainOnly, SslMode, Verify, chain_only, client_config, provider, verification};
+use crate::pgurl::PgTarget;
+use rustls::DigitallySignedStruct;
+use rustls::SignatureScheme;
+use rustls::client::ClientConfig;
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::client::danger::ServerCertVerified;
+use rustls::client::danger::ServerCertVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::ServerName;
+use rustls::pki_types::UnixTime;
+use std::path::Path;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 /// True when every host of the URL is a Unix-socket directory: no TLS there.
 pub(super) fn unix_only(pg: &tokio_postgres::Config) -> bool {

@@ -1,6 +1,10 @@
 //! RabbitMQ TLS: `amqps://` for the relay's own client and for lapin (`check`).
 
-use super::*;
+use super::{provider, read_ca_file, root_store};
+use rustls::client::ClientConfig;
+use rustls::pki_types::ServerName;
+use std::path::Path;
+use std::sync::Arc;
 
 // lapin opens amqps:// URLs in plaintext when its TLS is not compiled in
 // (no root-set feature, no `rustls-common`): this name exists only with it,

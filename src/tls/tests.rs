@@ -1,6 +1,7 @@
 //! TLS settings, certificate names and failure messages.
 
 use super::*;
+use crate::pgurl::PgTarget;
 
 #[test]
 fn sslmode_spellings() {

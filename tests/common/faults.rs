@@ -12,7 +12,7 @@ use lapin::types::FieldTable;
 use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
 
-use super::*;
+use super::{Fixture, Received, Relay, amqp_connect, amqp_connect_to, pg_connect_retry_to};
 
 impl Fixture {
     /// Like [`Fixture::start_consumer`], but survives the broker: when its

@@ -15,7 +15,7 @@ use lapin::{BasicProperties, Connection, ExchangeKind};
 use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
 
-use super::*;
+use super::{Relay, amqp_connect_to, amqp_url, pg_connect_retry_to, pg_url};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 

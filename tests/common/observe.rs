@@ -9,7 +9,7 @@ use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
 use tokio_postgres::types::FromSqlOwned;
 
-use super::*;
+use super::{Fixture, Received, Relay, pg_connect_retry_to, wait_timeout};
 
 impl Fixture {
     /// Writes one last event and collects (into `all`) until it arrives

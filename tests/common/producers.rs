@@ -9,7 +9,7 @@ use std::time::Duration;
 use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
 
-use super::*;
+use super::{Fixture, Received, Relay, count_by_id, pg_connect_retry_to};
 
 /// Small deterministic PRNG (xorshift64*), so a seed replays a schedule.
 #[derive(Debug, Clone)]

@@ -1,7 +1,15 @@
 //! A message between publish and confirm: what it was published from, its
 //! retries, the confirm deadline, and dead letters made to fit.
 
-use super::*;
+use super::PublishError;
+use crate::checkpoint::Seq;
+use crate::message::Envelope;
+use crate::message::event_id;
+use crate::message::render;
+use crate::message::view;
+use crate::outbox::OutboxEvent;
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// What a message is published from.
 // Rows keep their columns inline (no allocation per event), and rows

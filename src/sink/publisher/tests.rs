@@ -51,6 +51,7 @@ fn dead_letters_are_made_to_fit() {
     assert_eq!(same.properties, small.properties);
     assert_eq!(same.body, small.body);
 }
+use super::inflight::DEAD_LETTER_TEXT_MAX;
 use super::*;
 
 #[tokio::test(start_paused = true)]

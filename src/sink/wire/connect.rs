@@ -2,7 +2,28 @@
 //! (start, PLAIN login, tune, open), channels, and `connection.close`.
 
 use super::frames::is_close;
-use super::*;
+use super::frames::unexpected;
+use super::{
+    CONTROL_CHANNEL, DEFAULT_FRAME_MAX, Event, Found, Io, KEEPALIVE_IDLE, KEEPALIVE_INTERVAL,
+    KEEPALIVE_RETRIES, PUBLISH_CHANNEL, Target, USER_TIMEOUT, Wire, WireError,
+};
+use amq_protocol::frame::AMQPFrame;
+use amq_protocol::protocol::AMQPClass;
+use amq_protocol::protocol::channel;
+use amq_protocol::protocol::confirm;
+use amq_protocol::protocol::connection;
+use amq_protocol::types::AMQPValue;
+use amq_protocol::types::FieldTable;
+use amq_protocol::types::LongString;
+use amq_protocol::uri::AMQPScheme;
+use amq_protocol::uri::SASLMechanism;
+use bytes::BytesMut;
+use std::collections::VecDeque;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 impl Wire {
     /// Connects, authenticates (PLAIN), opens the vhost and the publishing
@@ -202,7 +223,7 @@ impl Wire {
     /// play the broker).
     #[cfg(test)]
     pub(in crate::sink) fn after_handshake(
-        io: impl AsyncRead + AsyncWrite + Send + Unpin + 'static,
+        io: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
     ) -> Wire {
         let mut w = Wire::over(Box::new(io));
         w.greeted = true;
@@ -213,7 +234,7 @@ impl Wire {
     /// (for tests that play the broker byte by byte).
     #[cfg(test)]
     pub(in crate::sink) async fn handshake_over(
-        io: impl AsyncRead + AsyncWrite + Send + Unpin + 'static,
+        io: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
         target: &Target,
     ) -> Result<Wire, WireError> {
         let mut w = Wire::over(Box::new(io));

@@ -1,7 +1,26 @@
 //! Frames: reading and parsing them off the socket, writing the buffer,
 //! and encoding (amq-protocol's encoder, or by hand for a row's publish).
 
-use super::*;
+use super::{DEFAULT_FRAME_MAX, PUBLISH_CHANNEL, WRITE_HIGH_WATER, WRITE_KEEP, Wire, WireError};
+use crate::message::Envelope;
+use crate::message::MessageView;
+use amq_protocol::frame::AMQPContentHeader;
+use amq_protocol::frame::AMQPFrame;
+use amq_protocol::frame::WriteContext;
+use amq_protocol::frame::gen_frame;
+use amq_protocol::frame::parse_frame;
+use amq_protocol::protocol::AMQPClass;
+use amq_protocol::protocol::basic;
+use amq_protocol::protocol::channel;
+use amq_protocol::protocol::connection;
+use amq_protocol::types::FieldTable;
+use std::io;
+use std::pin::Pin;
+use std::task::Context;
+use std::task::Poll;
+use std::time::Duration;
+use tokio::io::AsyncWrite;
+use tokio::time::Instant;
 
 impl Wire {
     pub(super) fn fail(&mut self, e: WireError) -> WireError {

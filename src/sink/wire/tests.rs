@@ -3,7 +3,9 @@
 use super::connect::negotiate;
 use super::*;
 use crate::message::Name;
+use amq_protocol::types::AMQPValue;
 use proptest::prelude::*;
+use std::task::Context;
 
 /// A broker that reads more slowly than the relay publishes: the
 /// written front of the buffer is dropped as it goes, so the buffer

@@ -29,7 +29,6 @@ mod unconfirmed;
 pub mod wire;
 pub use unconfirmed::Unconfirmed;
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::config::{RabbitmqConfig, shown_url};
@@ -39,7 +38,7 @@ use crate::tls::{self, TlsFailure};
 use nodes::Nodes;
 use replies::Disposition;
 use tracing::{info, warn};
-use wire::{Event, Returned, Target, Wire, WireError};
+use wire::{Event, Target, Wire, WireError};
 
 /// What went wrong on the broker side.
 #[derive(Debug, thiserror::Error)]
