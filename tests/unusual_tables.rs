@@ -239,17 +239,7 @@ async fn an_outbox_recreated_while_no_relay_runs_stops_the_next_start() {
         "a republish from after the change must not lift the refusal: {log}"
     );
 
-    f.relay_ok("republish", &["--since", &since]);
-    let relay = f.spawn_relay();
-    f.expect_delivered(&ids, &relay).await;
-    assert!(
-        relay
-            .wait_log("streaming from LSN", Duration::from_secs(30))
-            .await,
-        "{}",
-        relay.log_tail()
-    );
-    relay.stop_ok();
+    republish_then_stream(&mut f, &since, &ids).await;
     f.cleanup().await;
 }
 
@@ -282,9 +272,16 @@ async fn a_publication_toggled_while_no_relay_runs_stops_the_next_start() {
         "the start after the publication changed must refuse: {log}"
     );
     let since = republish_since(&log);
-    f.relay_ok("republish", &["--since", &since]);
+    republish_then_stream(&mut f, &since, &[unpublished]).await;
+    f.cleanup().await;
+}
+
+/// The remedy a stop named: `republish --since since`, then a relay that
+/// starts streaming and delivers `ids`.
+async fn republish_then_stream(f: &mut Fixture, since: &str, ids: &[String]) {
+    f.relay_ok("republish", &["--since", since]);
     let relay = f.spawn_relay();
-    f.expect_delivered(&[unpublished], &relay).await;
+    f.expect_delivered(ids, &relay).await;
     assert!(
         relay
             .wait_log("streaming from LSN", Duration::from_secs(30))
@@ -293,7 +290,6 @@ async fn a_publication_toggled_while_no_relay_runs_stops_the_next_start() {
         relay.log_tail()
     );
     relay.stop_ok();
-    f.cleanup().await;
 }
 
 /// `sql/outbox.sql`, creating the fixture's outbox table.
@@ -466,17 +462,7 @@ async fn replaced_outbox_stops_the_relay(mut f: Fixture, away: &str, said: &str)
     }
 
     // The remedy: setup added the table, republish sends its rows.
-    f.relay_ok("republish", &["--since", &since]);
-    let relay = f.spawn_relay();
-    f.expect_delivered(&ids, &relay).await;
-    assert!(
-        relay
-            .wait_log("streaming from LSN", Duration::from_secs(30))
-            .await,
-        "{}",
-        relay.log_tail()
-    );
-    relay.stop_ok();
+    republish_then_stream(&mut f, &since, &ids).await;
     pg.batch_execute(&format!(
         "DROP TABLE {other}; DROP TABLE IF EXISTS {}_old",
         f.table
