@@ -966,10 +966,15 @@ async fn operator(w: &World, sup: &Mutex<Supervisor>, args: &[&str]) -> Result<(
     // A documented refusal: the operator runs it another time (`prune`
     // keeps the rows a lost slot's recovery needs, seed 1797418585). Only
     // a slot dropped explains it: nothing else starts a recovery.
+    // The three ways `prune` says so: a recovery holding its lock, one
+    // recorded in the checkpoint row and not finished (seed 1800200010: a
+    // prune 4 ms after a drop-slot), the slot not there yet.
     let lost = sup.lock().unwrap().dropped > 0;
     if lost
         && (last.contains("a recovery of this slot is running")
-            || (args[0] == "prune" && last.contains("is missing or lost: `outbox-relay recover`")))
+            || (args[0] == "prune"
+                && (last.contains("is missing or lost: `outbox-relay recover`")
+                    || last.contains("a recovery is under way"))))
     {
         eprintln!("checker: {} refused while a recovery runs", args.join(" "));
         return Ok(());
