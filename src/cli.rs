@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, OnSlotLost};
+use crate::config::Config;
 use crate::lsn::Lsn;
 use crate::relay::{self, RelayError};
 use crate::source::{SourceError, connect_sql, slot, sql_err};
@@ -135,127 +135,16 @@ impl Command {
     }
 }
 
-/// How long after `run` recovered a lost slot losing it again stops the
-/// relay instead.
-const RECOVER_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
-
-/// A slot lost again within [`RECOVER_AGAIN_AFTER`] of `run` recovering it
-/// stops the relay rather than re-publish the window in a loop.
-fn lost_again(recovered_at: Option<std::time::Instant>, why: &str) -> Result<(), RelayError> {
-    if recovered_at.is_some_and(|t| t.elapsed() < RECOVER_AGAIN_AFTER) {
-        return Err(RelayError::Source(SourceError::Setup(format!(
-            "{why}; the slot was lost again within {} minutes of its recovery: \
-             not recovering in a loop. Find out why (max_slot_wal_keep_size, a \
-             failover under way, someone dropping it), then run `outbox-relay recover`",
-            RECOVER_AGAIN_AFTER.as_secs() / 60
-        ))));
-    }
-    Ok(())
-}
-
 /// `run`: returns the final confirmed LSN (`None`: stopped before or
-/// between sessions).
+/// between sessions). What it does next at each turn (finish a recovery,
+/// recover a lost slot, stream, stand by, stop) is decided in one place,
+/// `relay::supervisor`.
 pub async fn run(
     cfg: &Config,
     shutdown: CancellationToken,
     metrics: &crate::metrics::Metrics,
 ) -> Result<Option<Lsn>, RelayError> {
-    let mut lost = false;
-    // A slot lost again soon after it was recreated means the recovery
-    // cannot keep up (e.g. max_slot_wal_keep_size below what re-publishing
-    // the window writes): recovering again would only repeat the window.
-    let mut recovered_at: Option<std::time::Instant> = None;
-    loop {
-        // A recovery left half way (`recover` stopped, or its slot was made
-        // and the rows not all re-published) is finished first; with
-        // `on_slot_lost = "recover"`, a lost slot is recovered here.
-        let mut attempt = 0;
-        loop {
-            let step = if lost {
-                // Counted by the relay that re-published: another that
-                // saw the same loss finds the slot healthy once it has
-                // the lock.
-                crate::recover::recover_lost_slot(cfg, &shutdown)
-                    .await
-                    .map(|outcome| match outcome {
-                        crate::recover::RecoverOutcome::Republished { published, .. } => {
-                            metrics.slot_recoveries.inc();
-                            published.is_none_or(|p| p.complete)
-                        }
-                        crate::recover::RecoverOutcome::Healthy(_) => true,
-                    })
-            } else {
-                crate::recover::finish_pending(cfg, &shutdown).await
-            };
-            let e = match step {
-                Ok(true) => break,
-                // Stopped by a signal half way: the record stays, and the
-                // exit says the recovery is not finished (a service manager
-                // that restarts on failure restarts it).
-                Ok(false) => {
-                    return Err(RelayError::Interrupted(format!(
-                        "stopped before the recovery of slot {:?} was finished; it is \
-                         recorded: start `outbox-relay run` (or `outbox-relay recover`) again \
-                         to finish it",
-                        cfg.postgres.slot
-                    )));
-                }
-                // The recovery recorded earlier lost its slot too (killed
-                // mid-recovery, then another failover): with `recover`, the
-                // lost slot is recovered, which resumes that record's window
-                // from its start (`recover_with`), not a stop forever.
-                Err(RelayError::Source(SourceError::SlotLost(why)))
-                    if !lost
-                        && cfg.postgres.on_slot_lost == OnSlotLost::Recover
-                        && !shutdown.is_cancelled() =>
-                {
-                    lost_again(recovered_at, &why)?;
-                    recovered_at = Some(std::time::Instant::now());
-                    tracing::error!(
-                        reason = %why,
-                        "replication slot lost during a recovery: recreating it and re-publishing \
-                         the recorded window (postgres.on_slot_lost = \"recover\")"
-                    );
-                    lost = true;
-                    continue;
-                }
-                Err(e) if e.is_transient() && !shutdown.is_cancelled() => e,
-                Err(e) if e.is_transient() => return Ok(None),
-                Err(e) => return Err(e),
-            };
-            let delay = relay::backoff(attempt);
-            attempt += 1;
-            tracing::warn!(reason = %e, retry_in_ms = delay.as_millis() as u64, "finishing the recovery");
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(None),
-                _ = tokio::time::sleep(delay) => {}
-            }
-        }
-        match relay::run(cfg, shutdown.clone(), metrics).await {
-            Err(RelayError::Source(SourceError::SlotLost(why)))
-                if cfg.postgres.on_slot_lost == OnSlotLost::Recover && !shutdown.is_cancelled() =>
-            {
-                lost_again(recovered_at, &why)?;
-                recovered_at = Some(std::time::Instant::now());
-                tracing::error!(
-                    reason = %why,
-                    "replication slot lost: recreating it and re-publishing the outbox rows \
-                     written since the last checkpoint (postgres.on_slot_lost = \"recover\"); \
-                     consumers will see duplicates"
-                );
-                lost = true;
-            }
-            // Another relay (or `recover`) is re-publishing: go back to
-            // finishing the recovery, which waits for its lock.
-            Err(RelayError::Source(SourceError::RecoveryPending(slot)))
-                if !shutdown.is_cancelled() =>
-            {
-                tracing::info!(%slot, "a recovery is under way: waiting for it before streaming");
-                lost = false;
-            }
-            other => return other,
-        }
-    }
+    relay::run(cfg, shutdown, metrics).await
 }
 
 /// `setup`: prints what it did.
@@ -467,12 +356,13 @@ pub async fn recover(
 pub async fn prune(
     cfg: &Config,
     older_than: std::time::Duration,
-    (batch, dry_run): (i64, bool),
+    batch: i64,
+    dry_run: bool,
     table: Option<&str>,
     stop: &CancellationToken,
 ) -> Result<(), RelayError> {
     let reports =
-        crate::recover::prune::prune(cfg, older_than, (batch, dry_run), table, stop).await?;
+        crate::recover::prune::prune(cfg, older_than, batch, dry_run, table, stop).await?;
     let verb = if dry_run { "would delete" } else { "deleted" };
     for (table, r) in reports {
         println!(

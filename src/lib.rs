@@ -13,10 +13,10 @@
 //! | layer | module: what it is |
 //! |---|---|
 //! | commands | [`cli`]: the subcommands; [`check`]: the preflight report |
-//! | sessions | [`relay`]: sessions, reconnects, shutdown; [`recover`]: re-publishing from the tables, `prune` |
+//! | sessions | [`relay`]: one supervisor (recover, stream, stand by, stop) and its sessions; [`recover`]: re-publishing from the tables, `prune` |
 //! | why a session ended | [`error`]: retry or stop, wrapping the source's and the sink's errors |
-//! | the two sides | [`source`]: replication stream, slot, publication, checkpoint table; [`sink`]: the AMQP client and publishing with confirms (neither uses the other) |
-//! | what they share | [`outbox`]: relation cache, outbox INSERT or logical message -> event; [`message`]: event -> AMQP message; [`template`]: `{column}` templates; [`checkpoint`]: the confirmed-LSN watermark and [`checkpoint::Progress`]; [`pgoutput`]: the wire format |
+//! | the two sides | [`source`]: the stream's half of a session, slot, publication, checkpoint table; [`sink`]: the AMQP client and the publishing half (neither uses the other) |
+//! | what they share | [`handoff`]: the items from source to sink and their byte budget; [`outbox`]: relation cache, outbox INSERT or logical message -> event; [`message`]: event -> AMQP message; [`template`]: `{column}` templates; [`checkpoint`]: the confirmed-LSN watermark and [`checkpoint::Progress`]; [`pgoutput`]: the wire format |
 //! | foundations | [`config`]: validated configuration; [`tls`]: sslmode and CAs; [`pgurl`]: PostgreSQL URLs; [`redact`]: masking secrets; [`logtext`]: row text in logs; [`metrics`] and [`http`]: metrics, health; [`lsn`]: WAL positions |
 //!
 //! # LSN invariants
@@ -43,6 +43,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod handoff;
 pub mod http;
 pub mod logtext;
 pub mod lsn;

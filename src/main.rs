@@ -102,15 +102,9 @@ async fn main() -> ExitCode {
         } => {
             let stop = CancellationToken::new();
             match install_signals(stop.clone()) {
-                Ok(()) => cli::prune(
-                    &cfg,
-                    *older_than,
-                    (*batch, *dry_run),
-                    table.as_deref(),
-                    &stop,
-                )
-                .await
-                .map_err(anyhow::Error::from),
+                Ok(()) => cli::prune(&cfg, *older_than, *batch, *dry_run, table.as_deref(), &stop)
+                    .await
+                    .map_err(anyhow::Error::from),
                 Err(e) => Err(e),
             }
         }

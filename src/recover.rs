@@ -28,8 +28,6 @@ pub mod prune;
 pub mod publish;
 pub mod rows;
 
-use std::collections::HashMap;
-
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -307,7 +305,6 @@ async fn finish(
     stop: &CancellationToken,
 ) -> Result<Published, RelayError> {
     let mut refusals = Refusals::default();
-    let mut strikes = HashMap::new();
     let mut total = Published::default();
     let done_before = recovery.done;
     loop {
@@ -331,8 +328,8 @@ async fn finish(
             }
         };
         let left = selected - (recovery.done - done_before);
-        let (done, err) =
-            publish::publish_rows(cfg, &mut rows, (Some(left), &refusals), stop, save).await;
+        let publish::Pass { done, failed, head } =
+            publish::publish_rows(cfg, &mut rows, Some(left), &mut refusals, stop, save).await;
         drop(rows);
         total.confirmed += done.confirmed;
         total.sent += done.sent;
@@ -341,7 +338,7 @@ async fn finish(
             recovery.after = Some(k.to_record());
         }
         recovery.done += done.confirmed as i64;
-        let e = match err {
+        let e = match failed {
             None => {
                 total.complete = done.complete;
                 break;
@@ -349,8 +346,7 @@ async fn finish(
             Some(RelayError::Sink(e)) => e,
             Some(other) => return Err(other),
         };
-        let head = refusals.head.lock().expect("not poisoned").take();
-        if let Some(fatal) = learn(cfg, &e, head, &mut refusals, &mut strikes) {
+        if let Some(fatal) = learn(cfg, &e, head, &mut refusals) {
             return Err(fatal.into());
         }
         if !matches!(
@@ -465,19 +461,21 @@ pub async fn republish(
     in_flight::wait_for_writers(&client, &cfg.postgres, &names, stop).await?;
     let selected = rows::count(&client, cfg, sel, &tables).await?;
     let mut rows = rows::Rows::open(&mut client, cfg, sel, &tables).await?;
-    let refusals = Refusals::default();
-    let (published, err) = publish::publish_rows(
+    let mut refusals = Refusals::default();
+    let pass = publish::publish_rows(
         cfg,
         &mut rows,
-        (Some(selected), &refusals),
+        Some(selected),
+        &mut refusals,
         stop,
         |_| async {},
     )
     .await;
     drop(rows);
-    if let Some(e) = err {
+    if let Some(e) = pass.failed {
         return Err(e);
     }
+    let published = pass.done;
     let mut unacknowledged = Vec::new();
     if let Selection::Since { since, until: None } = sel
         && published.complete

@@ -11,7 +11,6 @@
 //! The connection is [`wire::Wire`], a publishing-only AMQP client driven by
 //! the publishing task itself (see there why not lapin).
 
-pub mod budget;
 #[cfg(test)]
 mod conformance;
 #[cfg(test)]
@@ -157,8 +156,8 @@ impl SinkError {
 /// "localhost" in its place (`amqp://[2001:db8::7]/` would connect to this
 /// machine): the host is taken from the URL here (an IPv6 address without
 /// its brackets, as sockets and TLS server names want it).
-pub fn parse_amqp_url(url: &str) -> Result<lapin::uri::AMQPUri, String> {
-    let mut uri: lapin::uri::AMQPUri = url.parse()?;
+pub fn parse_amqp_url(url: &str) -> Result<amq_protocol::uri::AMQPUri, String> {
+    let mut uri: amq_protocol::uri::AMQPUri = url.parse()?;
     let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
     match parsed.host() {
         Some(url::Host::Domain(_)) | None => {}
@@ -217,6 +216,21 @@ impl AmqpSink {
         node: usize,
         name: &str,
     ) -> Result<AmqpSink, SinkError> {
+        let mut sink = Self::open_node(cfg, node, name).await?;
+        for exchange in &cfg.fixed_exchanges {
+            sink.check_exchange(exchange).await?;
+        }
+        Ok(sink)
+    }
+
+    /// Connects to node `node` of `rabbitmq.url` and opens the publishing
+    /// channel in confirm mode, as a session does, without looking for any
+    /// exchange (`check` looks for each, and reports each).
+    pub async fn open_node(
+        cfg: &RabbitmqConfig,
+        node: usize,
+        name: &str,
+    ) -> Result<AmqpSink, SinkError> {
         let secret = cfg.urls[node].expose();
         let url = shown_url(secret);
         let amqp = |what, source| SinkError::Amqp {
@@ -233,7 +247,7 @@ impl AmqpSink {
         // `ca_file` is set when any URL is amqps:// (the configured CA, or
         // the system bundle), and trusted alone.
         let tls = match (&uri.scheme, cfg.ca_file.as_deref()) {
-            (lapin::uri::AMQPScheme::AMQPS, Some(roots)) => Some(
+            (amq_protocol::uri::AMQPScheme::AMQPS, Some(roots)) => Some(
                 tls::rabbitmq_client_config(roots)
                     .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?,
             ),
@@ -255,11 +269,7 @@ impl AmqpSink {
             }
             Ok(Ok(wire)) => wire,
         };
-        let mut sink = AmqpSink { wire, url, node };
-        for exchange in &cfg.fixed_exchanges {
-            sink.check_exchange(exchange).await?;
-        }
-        Ok(sink)
+        Ok(AmqpSink { wire, url, node })
     }
 
     /// Which node of `rabbitmq.url` this is (an index into it).

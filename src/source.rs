@@ -14,6 +14,7 @@ pub mod resume;
 mod scripted;
 pub mod silence;
 pub mod slot;
+pub mod stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -365,6 +366,16 @@ pub fn sql_err(
     move |source| SourceError::Sql { what, url, source }
 }
 
+/// How much the replication client buffers, and how long its stream may be
+/// silent.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamLimits {
+    /// Events buffered inside the client (a count, not bytes).
+    pub buffer_events: usize,
+    /// See [`silence`].
+    pub silence_limit: Duration,
+}
+
 /// Starts streaming from the slot at `start` (a position known confirmed,
 /// see [`resume`]), reporting it as flushed until the relay reports more.
 /// The servers of `postgres.url` are tried in order; the stream opens on
@@ -375,7 +386,7 @@ pub async fn start_replication(
     cfg: &PostgresConfig,
     start: Lsn,
     server: Option<&resume::Server>,
-    (buffer_events, silence_limit): (usize, Duration),
+    limits: StreamLimits,
 ) -> Result<ReplicationClient, SourceError> {
     // When every server fails, a refusal for good (credentials, TLS, no
     // slot) is what the operator must see; it only ends the attempt when
@@ -383,7 +394,7 @@ pub async fn start_replication(
     // between servers).
     let mut failed: Option<SourceError> = None;
     for target in &cfg.targets {
-        let opened = open_replication(cfg, target, start, server, (buffer_events, silence_limit));
+        let opened = open_replication(cfg, target, start, server, limits);
         match opened.await {
             Ok(client) => return Ok(client),
             Err(e) => {
@@ -404,7 +415,10 @@ async fn open_replication(
     target: &PgTarget,
     start: Lsn,
     server: Option<&resume::Server>,
-    (buffer_events, silence_limit): (usize, Duration),
+    StreamLimits {
+        buffer_events,
+        silence_limit,
+    }: StreamLimits,
 ) -> Result<ReplicationClient, SourceError> {
     let url = cfg.url.expose();
     let pg: tokio_postgres::Config = split_pg_url(url)

@@ -308,7 +308,7 @@ pub async fn publish_wire(
         };
         // One destination for every message: a return is matched by id.
         let destination = |_: &Option<String>| (String::new(), String::new());
-        pending.apply(ev, (Option::clone, destination), &mut settled)?;
+        pending.apply(ev, Option::clone, destination, &mut settled)?;
         for (_, res) in settled.drain(..) {
             match res {
                 Ok(()) => tally.acked += 1,

@@ -176,7 +176,7 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
     let mut any_partitioned = false;
     for (_, t) in &tables {
         let partitioned =
-            publication_covers(client, (pg, &pub_q), t, via_root, &mut problems).await?;
+            publication_covers(client, pg, &pub_q, t, via_root, &mut problems).await?;
         any_partitioned |= partitioned;
     }
     // Anything else it publishes would stop the relay at its first INSERT.
@@ -233,7 +233,8 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
 /// the table is partitioned.
 pub(super) async fn publication_covers(
     client: &Client,
-    (pg, pub_q): (&crate::config::PostgresConfig, &str),
+    pg: &crate::config::PostgresConfig,
+    pub_q: &str,
     t: &TableName,
     via_root: bool,
     problems: &mut Vec<String>,
@@ -266,7 +267,7 @@ pub(super) async fn publication_covers(
                 .get(0);
             let partial = match root {
                 Some(root) => {
-                    crate::source::slot::partial_rows(client, &pg.publication, (t, root)).await?
+                    crate::source::slot::partial_rows(client, &pg.publication, t, root).await?
                 }
                 None => None,
             };

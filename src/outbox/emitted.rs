@@ -332,7 +332,7 @@ mod tests {
         let trace = h.inner().get("trace").cloned();
         assert_eq!(
             trace,
-            Some(lapin::types::AMQPValue::LongString("t\"1".into()))
+            Some(amq_protocol::types::AMQPValue::LongString("t\"1".into()))
         );
     }
 

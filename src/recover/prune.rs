@@ -35,7 +35,8 @@ pub struct PruneReport {
 pub async fn prune(
     cfg: &Config,
     older_than: Duration,
-    (batch, dry_run): (i64, bool),
+    batch: i64,
+    dry_run: bool,
     table: Option<&str>,
     stop: &CancellationToken,
 ) -> Result<Vec<(String, PruneReport)>, RelayError> {
@@ -155,7 +156,7 @@ pub async fn prune(
             overlap,
             committed_before,
         };
-        let report = prune_table(&client, cfg, o, cut, (batch, dry_run), stop).await?;
+        let report = prune_table(&client, cfg, o, cut, batch, dry_run, stop).await?;
         reports.push((table.to_string(), report));
     }
     Ok(reports)
@@ -177,7 +178,8 @@ async fn prune_table(
     cfg: &Config,
     o: &crate::config::OutboxConfig,
     cut: Cut,
-    (batch, dry_run): (i64, bool),
+    batch: i64,
+    dry_run: bool,
     stop: &CancellationToken,
 ) -> Result<PruneReport, RelayError> {
     let Cut {

@@ -20,12 +20,13 @@ use super::rows::{Key, Rows};
 use crate::checkpoint::Progress;
 use crate::config::Config;
 use crate::error::RelayError;
+use crate::handoff::ByteBudget;
+use crate::handoff::Item;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::sink::AmqpSink;
-use crate::sink::budget::ByteBudget;
-use crate::sink::publisher::{self, SinkItem};
-use crate::sink::refusals::Refusals;
+use crate::sink::publisher;
+use crate::sink::refusals::{Head, Refusals};
 
 /// Items queued for the publisher.
 const QUEUE: usize = 512;
@@ -47,6 +48,17 @@ pub struct Published {
     pub complete: bool,
 }
 
+/// How a call of [`publish_rows`] ended.
+pub struct Pass {
+    /// What it confirmed.
+    pub done: Published,
+    /// Why it ended early, if it did.
+    pub failed: Option<RelayError>,
+    /// The publisher's oldest unconfirmed row when it failed (see
+    /// [`crate::sink::refusals::learn`]).
+    pub head: Option<Head>,
+}
+
 /// Publishes the rows of `rows` in order, until they are all confirmed,
 /// `stop` is cancelled (then outstanding confirms get the shutdown grace
 /// period), or a failure. `save` is called about once a second with what is
@@ -54,10 +66,11 @@ pub struct Published {
 pub async fn publish_rows<S, F>(
     cfg: &Config,
     rows: &mut Rows<'_>,
-    (total, refusals): (Option<i64>, &Refusals),
+    total: Option<i64>,
+    refusals: &mut Refusals,
     stop: &CancellationToken,
     mut save: S,
-) -> (Published, Option<RelayError>)
+) -> Pass
 where
     S: FnMut(Published) -> F,
     F: Future<Output = ()>,
@@ -70,7 +83,13 @@ where
     .await
     {
         Ok(sink) => sink,
-        Err(e) => return (Published::default(), Some(e.into())),
+        Err(e) => {
+            return Pass {
+                done: Published::default(),
+                failed: Some(e.into()),
+                head: None,
+            };
+        }
     };
     let (tx, rx) = mpsc::channel(QUEUE);
     let (wm_tx, mut wm_rx) = watch::channel(Progress {
@@ -104,12 +123,12 @@ where
                 sent += 1;
                 keys.lock().expect("not poisoned").push_back((sent, key));
                 let commit_time_us = ev.commit_time_us;
-                let item = SinkItem::Event(ev);
+                let item = Item::Event(ev);
                 let cost = ByteBudget::cost(&item);
                 let items = [
-                    SinkItem::Begin { commit_time_us },
+                    Item::Begin { commit_time_us },
                     item,
-                    SinkItem::Commit { end_lsn: Lsn(sent) },
+                    Item::Commit { end_lsn: Lsn(sent) },
                 ];
                 tokio::select! {
                     biased;
@@ -136,9 +155,14 @@ where
             &mut sink,
             rx,
             &wm_tx,
-            (&cfg.rabbitmq, &cfg.dead_letters(), refusals, &budget),
-            Lsn(0),
-            &metrics,
+            publisher::Publishing {
+                cfg: &cfg.rabbitmq,
+                dead_letters: &cfg.dead_letters(),
+                refusals,
+                budget: &budget,
+                start: Lsn(0),
+                metrics: &metrics,
+            },
             stop,
         )
         .await;
@@ -181,8 +205,11 @@ where
     done.complete =
         published.is_ok() && read_err.is_none() && !stop.is_cancelled() && done.confirmed == sent;
     save(done.clone()).await;
-    let err = (published.err().map(RelayError::from)).or(read_err.map(RelayError::from));
-    (done, err)
+    let (failed, head) = match published {
+        Ok(()) => (read_err.map(RelayError::from), None),
+        Err(publisher::Failed { error, head }) => (Some(error.into()), head),
+    };
+    Pass { done, failed, head }
 }
 
 /// Rows up to `confirmed` are confirmed: the last one's key is the position.

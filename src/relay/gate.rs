@@ -29,86 +29,115 @@ const FINAL_DEADLINE: Duration = Duration::from_secs(2);
 /// reported, and WAL is retained.
 const UNREAD_LIMIT: Duration = Duration::from_secs(30);
 
-/// Forwards `watermark` into `reported`, never past the WAL position the
-/// last reading of the coverage vouched for, until `sink_done` (after the
-/// sink's last confirm, a drain included). A change in the coverage ends
-/// the session (`stop`) with the error that explains it; so do readings
-/// failing for [`UNREAD_LIMIT`] (transient: the next session reconnects).
-pub(super) async fn gate(
-    cfg: Config,
-    sql: Arc<tokio_postgres::Client>,
-    (mut coverage, since): (Coverage, watch::Sender<String>),
-    longest: Arc<tokio::sync::Mutex<LongestTx>>,
-    (mut watermark, reported): (watch::Receiver<Progress>, watch::Sender<Progress>),
-    (stop, sink_done): (CancellationToken, CancellationToken),
-) -> Result<(), SourceError> {
-    let pg = &cfg.postgres;
-    let mut vouched = reported.borrow().lsn;
-    let mut tick = tokio::time::interval(COVERAGE_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut unread_since: Option<Instant> = None;
-    loop {
-        let wm = *watermark.borrow_and_update();
-        forward(&reported, wm, vouched);
-        let behind = wm.lsn > vouched;
-        tokio::select! {
-            biased;
-            _ = sink_done.cancelled() => break,
-            Ok(()) = watermark.changed() => {}
-            _ = tick.tick(), if behind => {
-                // Busy only while the side task samples it.
-                if let Ok(l) = longest.try_lock() {
-                    coverage.widen(l.longest_secs);
-                }
-                let read = tokio::time::timeout(SQL_DEADLINE, coverage.verify(&sql, pg)).await;
-                let failed = match read {
-                    Ok(Ok(at)) => {
-                        vouched = vouched.max(at);
-                        unread_since = None;
-                        since.send_if_modified(|s| {
-                            let newer = s != coverage.last_good();
-                            if newer {
-                                coverage.last_good().clone_into(s);
-                            }
-                            newer
-                        });
-                        continue;
+/// The gate of one session: forwards `watermark` into `reported`, never
+/// past the WAL position the last reading of the coverage vouched for,
+/// until `sink_done` (after the sink's last confirm, a drain included). A
+/// change in the coverage ends the session (`stop`) with the error that
+/// explains it; so do readings failing for [`UNREAD_LIMIT`] (transient:
+/// the next session reconnects).
+pub(super) struct Gate {
+    pub cfg: Config,
+    pub sql: Arc<tokio_postgres::Client>,
+    /// The outbox tables' coverage the session started from.
+    pub coverage: Coverage,
+    /// The time its last good reading names, for the checkpoint row.
+    pub since: watch::Sender<String>,
+    /// Widens the time a change names (see `source::coverage`).
+    pub longest: Arc<tokio::sync::Mutex<LongestTx>>,
+    /// The sink's watermark.
+    pub watermark: watch::Receiver<Progress>,
+    /// What is reported.
+    pub reported: watch::Sender<Progress>,
+    /// Cancelled to end the session.
+    pub stop: CancellationToken,
+    /// Cancelled once the sink confirmed its last.
+    pub sink_done: CancellationToken,
+}
+
+impl Gate {
+    /// Runs until `sink_done`, then vouches once more.
+    pub(super) async fn run(self) -> Result<(), SourceError> {
+        let Gate {
+            cfg,
+            sql,
+            mut coverage,
+            since,
+            longest,
+            mut watermark,
+            reported,
+            stop,
+            sink_done,
+        } = self;
+        let pg = &cfg.postgres;
+        let mut vouched = reported.borrow().lsn;
+        let mut tick = tokio::time::interval(COVERAGE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut unread_since: Option<Instant> = None;
+        loop {
+            let wm = *watermark.borrow_and_update();
+            forward(&reported, wm, vouched);
+            let behind = wm.lsn > vouched;
+            tokio::select! {
+                biased;
+                _ = sink_done.cancelled() => break,
+                Ok(()) = watermark.changed() => {}
+                _ = tick.tick(), if behind => {
+                    // Busy only while the side task samples it.
+                    if let Ok(l) = longest.try_lock() {
+                        coverage.widen(l.longest_secs);
                     }
-                    Ok(Err(Uncertain::Changed(change))) => {
+                    let read = tokio::time::timeout(SQL_DEADLINE, coverage.verify(&sql, pg)).await;
+                    let failed = match read {
+                        Ok(Ok(at)) => {
+                            vouched = vouched.max(at);
+                            unread_since = None;
+                            since.send_if_modified(|s| {
+                                let newer = s != coverage.last_good();
+                                if newer {
+                                    coverage.last_good().clone_into(s);
+                                }
+                                newer
+                            });
+                            continue;
+                        }
+                        Ok(Err(Uncertain::Changed(change))) => {
+                            stop.cancel();
+                            record_since(&sql, &cfg, &coverage).await;
+                            return Err(change.error(coverage.last_good()));
+                        }
+                        Ok(Err(Uncertain::Unread(e))) => e.to_string(),
+                        Err(_) => format!("no answer within {SQL_DEADLINE:?}"),
+                    };
+                    let since = *unread_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= UNREAD_LIMIT || sql.is_closed() {
                         stop.cancel();
-                        record_since(&sql, &cfg, &coverage).await;
-                        return Err(change.error(coverage.last_good()));
+                        return Err(SourceError::Timeout(format!(
+                            "reading the outbox tables' publication (the confirmed position waits on \
+                             it; postgres.url's SQL connection): {failed}"
+                        )));
                     }
-                    Ok(Err(Uncertain::Unread(e))) => e.to_string(),
-                    Err(_) => format!("no answer within {SQL_DEADLINE:?}"),
-                };
-                let since = *unread_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= UNREAD_LIMIT || sql.is_closed() {
-                    stop.cancel();
-                    return Err(SourceError::Timeout(format!(
-                        "reading the outbox tables' publication (the confirmed position waits on \
-                         it; postgres.url's SQL connection): {failed}"
-                    )));
+                    debug!(error = %failed, "coverage reading failed; the confirmed position waits");
                 }
-                debug!(error = %failed, "coverage reading failed; the confirmed position waits");
             }
         }
-    }
-    // The session ends: vouch once more, so that all the sink confirmed
-    // is reported.
-    let wm = *watermark.borrow();
-    if wm.lsn > vouched {
-        match tokio::time::timeout(FINAL_DEADLINE, coverage.verify(&sql, pg)).await {
-            Ok(Ok(at)) => vouched = vouched.max(at),
-            Ok(Err(Uncertain::Changed(change))) => {
-                record_since(&sql, &cfg, &coverage).await;
-                return Err(change.error(coverage.last_good()));
+        // The session ends: vouch once more, so that all the sink confirmed
+        // is reported.
+        let wm = *watermark.borrow();
+        if wm.lsn > vouched {
+            match tokio::time::timeout(FINAL_DEADLINE, coverage.verify(&sql, pg)).await {
+                Ok(Ok(at)) => vouched = vouched.max(at),
+                Ok(Err(Uncertain::Changed(change))) => {
+                    record_since(&sql, &cfg, &coverage).await;
+                    return Err(change.error(coverage.last_good()));
+                }
+                _ => debug!(
+                    "the last coverage reading failed; the position after it will be replayed"
+                ),
             }
-            _ => debug!("the last coverage reading failed; the position after it will be replayed"),
         }
+        forward(&reported, wm, vouched);
+        Ok(())
     }
-    forward(&reported, wm, vouched);
-    Ok(())
 }
 
 /// After a change: the time the stop names (`republish --since`) goes to

@@ -18,30 +18,38 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 use tracing::warn;
 
-/// What the side tasks write with: the session's SQL connection, the
-/// longest transaction sampled, the cluster's system identifier, and the
-/// time the coverage's last good reading names (see `source::coverage`).
-pub(super) struct Beside {
-    pub sql: Arc<tokio_postgres::Client>,
-    pub longest: Arc<tokio::sync::Mutex<LongestTx>>,
-    pub system_id: String,
-    pub coverage_since: watch::Receiver<String>,
-}
-
 /// Work beside the stream that needs the SQL connection: the checkpoint
 /// table, the optional heartbeat, and the retained-WAL gauge. Failures here
 /// are logged, never fatal: the slot remains the source of truth.
+pub(super) struct Beside {
+    pub cfg: Config,
+    /// The session's SQL connection.
+    pub sql: Arc<tokio_postgres::Client>,
+    /// The longest transaction sampled.
+    pub longest: Arc<tokio::sync::Mutex<LongestTx>>,
+    /// The cluster's system identifier, for the checkpoint row.
+    pub system_id: String,
+    /// The time the coverage's last good reading names (see
+    /// `source::coverage`), for the checkpoint row.
+    pub coverage_since: watch::Receiver<String>,
+    /// The position reported.
+    pub progress: watch::Receiver<Progress>,
+    pub metrics: Metrics,
+    pub stop: CancellationToken,
+}
+
+/// Runs the work beside the stream until `stop`.
 pub(super) async fn side_tasks(
-    cfg: Config,
     Beside {
+        cfg,
         sql,
         longest,
         system_id,
         coverage_since,
+        mut progress,
+        metrics,
+        stop,
     }: Beside,
-    mut progress: watch::Receiver<Progress>,
-    metrics: Metrics,
-    stop: CancellationToken,
 ) {
     // Every call has a deadline: a hung server must not keep the session
     // (which waits for these tasks) from ending.
@@ -73,7 +81,7 @@ pub(super) async fn side_tasks(
                     // The coverage's reading vouched for the position
                     // reported; its time, read now, is no older.
                     let since = coverage_since.borrow().clone();
-                    let write = tokio::time::timeout(SQL_DEADLINE, checkpoint_table::write(&sql, &cfg, p, (&system_id, &since)));
+                    let write = tokio::time::timeout(SQL_DEADLINE, checkpoint_table::write(&sql, &cfg, p, checkpoint_table::Stamp { system_id: &system_id, coverage_since: &since }));
                     match write.await.unwrap_or_else(|_| Err(SourceError::Timeout("writing the checkpoint".into()))) {
                         Ok(()) => written = p.commit_time_us,
                         Err(e) if !checkpoint_warned => {
@@ -126,16 +134,32 @@ pub(super) async fn side_tasks(
     }
 }
 
-/// Tells the source loop when the stream is alive though silent, on a task
+/// Tells the source half when the stream is alive though silent, on a task
 /// of its own so that no other SQL work delays it (see `source::silence`):
 /// sends the probe when asked, and signals `alive` whenever the slot's
 /// walsender has read further.
+pub(super) struct Liveness {
+    pub cfg: Config,
+    pub sql: Arc<tokio_postgres::Client>,
+    /// How long the stream may be silent.
+    pub limit: Duration,
+    /// Notified by the source half to send the probe.
+    pub probe: Arc<Notify>,
+    /// Notified by this task when the walsender read further.
+    pub alive: Arc<Notify>,
+    pub stop: CancellationToken,
+}
+
+/// Runs the liveness probe until `stop`.
 pub(super) async fn liveness(
-    cfg: Config,
-    sql: Arc<tokio_postgres::Client>,
-    limit: Duration,
-    (probe, alive): (Arc<Notify>, Arc<Notify>),
-    stop: CancellationToken,
+    Liveness {
+        cfg,
+        sql,
+        limit,
+        probe,
+        alive,
+        stop,
+    }: Liveness,
 ) {
     let mut every = tokio::time::interval(silence::progress_every(limit));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -64,7 +64,8 @@ async fn answers_in_pieces_returns_acks_nacks_and_blocking() {
                 AMQPContentHeader {
                     class_id: 60,
                     body_size: 3,
-                    properties: lapin::BasicProperties::default().with_message_id("b".into()),
+                    properties: amq_protocol::protocol::BasicProperties::default()
+                        .with_message_id("b".into()),
                 },
             ),
             AMQPFrame::Body(1, vec![7, 7, 7]),
@@ -566,11 +567,12 @@ async fn an_ack_for_a_tag_never_published_confirms_nothing() {
 async fn never_confirms(mode: &'static str) {
     use crate::checkpoint::Progress;
     use crate::config::Config;
+    use crate::handoff::ByteBudget;
+    use crate::handoff::Item;
     use crate::lsn::Lsn;
     use crate::outbox::{Mapping, OutboxEvent};
     use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
-    use crate::sink::budget::ByteBudget;
-    use crate::sink::publisher::{self, SinkItem};
+    use crate::sink::publisher;
     use crate::sink::refusals::Refusals;
     use std::sync::Arc;
 
@@ -659,7 +661,7 @@ async fn never_confirms(mode: &'static str) {
     let mapping = Mapping::new(&rel, &cfg.outboxes[0]).map(Arc::new);
     let payload = bytes::Bytes::from(vec![b'x'; 100 * 1024]);
     let (tx, rx) = tokio::sync::mpsc::channel(300);
-    tx.try_send(SinkItem::Begin { commit_time_us: 0 }).unwrap();
+    tx.try_send(Item::Begin { commit_time_us: 0 }).unwrap();
     for i in 0..200 {
         let text = |v: String| ColumnValue::Text(bytes::Bytes::from(v));
         let ev = OutboxEvent {
@@ -677,14 +679,14 @@ async fn never_confirms(mode: &'static str) {
             commit_time_us: 0,
             outbox: 0,
         };
-        tx.try_send(SinkItem::Event(ev)).unwrap();
+        tx.try_send(Item::Event(ev)).unwrap();
     }
-    tx.try_send(SinkItem::Commit { end_lsn: Lsn(100) }).unwrap();
+    tx.try_send(Item::Commit { end_lsn: Lsn(100) }).unwrap();
     let (wm, wm_rx) = tokio::sync::watch::channel(Progress {
         lsn: Lsn(1),
         commit_time_us: None,
     });
-    let (refusals, budget) = (Refusals::default(), ByteBudget::default());
+    let (mut refusals, budget) = (Refusals::default(), ByteBudget::default());
     let metrics = crate::metrics::Metrics::new();
     let stop = tokio_util::sync::CancellationToken::new();
     let dead_letters = cfg.dead_letters();
@@ -692,15 +694,20 @@ async fn never_confirms(mode: &'static str) {
         &mut sink,
         rx,
         &wm,
-        (&cfg.rabbitmq, &dead_letters, &refusals, &budget),
-        Lsn(1),
-        &metrics,
+        publisher::Publishing {
+            cfg: &cfg.rabbitmq,
+            dead_letters: &dead_letters,
+            refusals: &mut refusals,
+            budget: &budget,
+            start: Lsn(1),
+            metrics: &metrics,
+        },
         &stop,
     );
     let r = tokio::time::timeout(Duration::from_secs(20), run)
         .await
         .expect("the confirm deadline did not fire");
-    let e = r.unwrap_err();
+    let e = r.unwrap_err().error;
     assert_eq!(wm_rx.borrow().lsn, Lsn(1), "nothing is confirmed ({mode})");
     if mode == "all-but-first" {
         // One message left unanswered while the rest are confirmed: the

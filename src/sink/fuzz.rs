@@ -38,7 +38,8 @@ fn valid_stream() -> Vec<u8> {
             AMQPContentHeader {
                 class_id: 60,
                 body_size: 5,
-                properties: lapin::BasicProperties::default().with_message_id("m".into()),
+                properties: amq_protocol::protocol::BasicProperties::default()
+                    .with_message_id("m".into()),
             },
         ),
         AMQPFrame::Body(1, b"hello".to_vec()),

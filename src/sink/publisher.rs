@@ -18,7 +18,6 @@ use tracing::{error, info, warn};
 
 use tokio_util::sync::CancellationToken;
 
-use super::budget::ByteBudget;
 use super::refusals::{Head, Refusals};
 use super::refused::{self, Refusal, RefusedExchanges};
 use super::replies::Disposition;
@@ -27,6 +26,7 @@ use super::wire::{Event, Found};
 use super::{AmqpSink, SinkError};
 use crate::checkpoint::{Checkpoint, CheckpointError, Progress};
 use crate::config::RabbitmqConfig;
+use crate::handoff::{ByteBudget, Item};
 use crate::logtext::Shown;
 use crate::lsn::Lsn;
 use crate::message::{
@@ -39,32 +39,9 @@ use crate::outbox::OutboxEvent;
 
 mod inflight;
 mod settle;
-use inflight::{ConfirmClock, Content, InFlight, after, fit_dead_letter, retry_delay, unix_now_us};
-
-/// One item from source to sink, in WAL order.
-#[derive(Debug)]
-// Rows keep their columns inline (no allocation per event), and rows
-// are the common case: boxing them would add back the allocation.
-#[allow(clippy::large_enum_variant)]
-pub enum SinkItem {
-    /// A transaction begins (commit time, µs since the Unix epoch).
-    Begin {
-        /// Commit time.
-        commit_time_us: i64,
-    },
-    /// An outbox INSERT of the open transaction.
-    Event(OutboxEvent),
-    /// The open transaction committed, ending at `end_lsn`.
-    Commit {
-        /// End of the commit record.
-        end_lsn: Lsn,
-    },
-    /// The server has sent everything up to `wal_end`.
-    Keepalive {
-        /// Server's WAL position.
-        wal_end: Lsn,
-    },
-}
+use inflight::{
+    ConfirmClock, Content, InFlight, Sizes, after, fit_dead_letter, retry_delay, unix_now_us,
+};
 
 /// Why publishing stopped. The relay reports the broker's failures as its
 /// own `Sink` errors, the others as they are (see `crate::error::RelayError`).
@@ -229,7 +206,15 @@ impl<'a> Publisher<'a> {
         let seq = self.cp.publish()?;
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
-        let f = InFlight::new(seq, Content::Event(ev), (0, bytes), commit_time_us);
+        let f = InFlight::new(
+            seq,
+            Content::Event(ev),
+            Sizes {
+                body_bytes: 0,
+                held: bytes,
+            },
+            commit_time_us,
+        );
         self.send_event(sink, f, Verify::First)
     }
 
@@ -485,7 +470,8 @@ impl<'a> Publisher<'a> {
         let mut settled = std::mem::take(&mut self.settled);
         self.unconfirmed.apply(
             ev,
-            (InFlight::message_id, InFlight::destination),
+            InFlight::message_id,
+            InFlight::destination,
             &mut settled,
         )?;
         for (f, res) in settled.drain(..) {
@@ -498,19 +484,19 @@ impl<'a> Publisher<'a> {
     }
 
     /// A new item from the source, in WAL order.
-    fn on_item(&mut self, sink: &mut AmqpSink, item: SinkItem) -> Result<(), PublishError> {
+    fn on_item(&mut self, sink: &mut AmqpSink, item: Item) -> Result<(), PublishError> {
         match item {
-            SinkItem::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
-            SinkItem::Event(ev) => {
+            Item::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
+            Item::Event(ev) => {
                 let bytes = ev.bytes();
                 self.budget.give_back(ByteBudget::cost_of(bytes));
                 self.publish_event(sink, ev, bytes)?
             }
-            SinkItem::Commit { end_lsn } => {
+            Item::Commit { end_lsn } => {
                 let moved = self.cp.commit(end_lsn)?;
                 self.advance(moved);
             }
-            SinkItem::Keepalive { wal_end } => {
+            Item::Keepalive { wal_end } => {
                 let moved = self.cp.keepalive(wal_end);
                 self.advance(moved);
             }
@@ -540,6 +526,34 @@ const BATCH: usize = 256;
 /// within this many windows.
 const SPAN_WINDOWS: usize = 4;
 
+/// What a run of the publisher works with, besides the connection and its
+/// input.
+pub struct Publishing<'a> {
+    /// The broker's settings.
+    pub cfg: &'a RabbitmqConfig,
+    /// Each outbox's dead-letter exchange, by its index.
+    pub dead_letters: &'a [Option<String>],
+    /// What earlier runs learnt the broker refuses; what this run learns of
+    /// missing exchanges is added to it.
+    pub refusals: &'a mut Refusals,
+    /// The input's byte budget, given back as items are taken.
+    pub budget: &'a ByteBudget,
+    /// The position the watermark starts from.
+    pub start: Lsn,
+    /// Where outcomes are counted.
+    pub metrics: &'a Metrics,
+}
+
+/// Why a run of the publisher failed, and the message it was on.
+#[derive(Debug)]
+pub struct Failed {
+    /// Why.
+    pub error: PublishError,
+    /// The oldest unconfirmed event, for the next run to blame if the same
+    /// failure comes back (see [`super::refusals::learn`]).
+    pub head: Option<Head>,
+}
+
 /// Runs until `items` closes and every message is settled (after a stop,
 /// or until the shutdown grace period ends), or until a failure (a confirm
 /// overdue among them).
@@ -549,18 +563,20 @@ const SPAN_WINDOWS: usize = 4;
 /// `BATCH`) and written in one go while the loop waits for answers.
 pub async fn run(
     sink: &mut AmqpSink,
-    mut items: mpsc::Receiver<SinkItem>,
+    mut items: mpsc::Receiver<Item>,
     watermark: &watch::Sender<Progress>,
-    (cfg, dead_letters, refusals, budget): (
-        &RabbitmqConfig,
-        &[Option<String>],
-        &Refusals,
-        &ByteBudget,
-    ),
-    start: Lsn,
-    metrics: &Metrics,
+    Publishing {
+        cfg,
+        dead_letters,
+        refusals,
+        budget,
+        start,
+        metrics,
+    }: Publishing<'_>,
     stop: &CancellationToken,
-) -> Result<(), PublishError> {
+) -> Result<(), Failed> {
+    // Taken for the session, given back when it ends.
+    let refused = std::mem::take(&mut refusals.missing);
     let outcome = |outcome| {
         metrics
             .events
@@ -580,7 +596,7 @@ pub async fn run(
         retries: FuturesUnordered::new(),
         clock: ConfirmClock::new(),
         refusals,
-        refused: std::mem::take(&mut *refusals.missing.lock().expect("not poisoned")),
+        refused,
         verified: HashSet::new(),
         held_back: None,
         looking_since: None,
@@ -640,7 +656,7 @@ pub async fn run(
             // always goes, however large), and the write buffer not backed up
             // (the broker applying TCP flow control).
             let room = |p: &Publisher<'_>, sink: &AmqpSink, open: bool| {
-                let window = if p.sent < refusals.careful_for {
+                let window = if p.sent < p.refusals.careful_for {
                     1
                 } else {
                     full_window
@@ -738,18 +754,24 @@ pub async fn run(
     .await;
     // Between sessions nothing is blocked: the next connection is asked anew.
     metrics.blocked.set(0);
-    *refusals.missing.lock().expect("not poisoned") = std::mem::take(&mut p.refused);
-    if r.is_err() {
-        // Which message the session failed with, for the next one to blame
-        // if this keeps happening (see `replies`).
-        let (alone, sent) = (p.sent <= refusals.careful_for, p.sent);
-        *refusals.head.lock().expect("not poisoned") = p
-            .unconfirmed
-            .oldest()
-            .and_then(InFlight::message_id)
-            .map(|id| Head { id, alone, sent });
-    }
-    r
+    // Which message the session failed with, for the next one to blame
+    // if this keeps happening (see `replies`).
+    let head = r.is_err().then(|| {
+        let alone = p.sent <= p.refusals.careful_for;
+        let id = p.unconfirmed.oldest().and_then(InFlight::message_id)?;
+        Some(Head {
+            id,
+            alone,
+            sent: p.sent,
+        })
+    });
+    let refused = std::mem::take(&mut p.refused);
+    drop(p);
+    refusals.missing = refused;
+    r.map_err(|error| Failed {
+        error,
+        head: head.flatten(),
+    })
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ pub struct Refusals {
     /// Templated exchanges the broker does not have, or lets the relay not
     /// write to: their events are dead-lettered. The publisher holds them
     /// while it runs (it learns more), and gives them back when it ends.
-    pub missing: std::sync::Mutex<RefusedExchanges>,
+    pub missing: RefusedExchanges,
     /// The broker's `max_message_size`, once it said so.
     pub max_body: Option<usize>,
     /// Events the broker kept refusing while they were the oldest
@@ -33,8 +33,9 @@ pub struct Refusals {
     /// Publish one message at a time until this many were published, so
     /// that the next refusal is blamed on the right message.
     pub careful_for: u64,
-    /// Set when a session fails: what it was publishing.
-    pub head: std::sync::Mutex<Option<Head>>,
+    /// Sessions ended by each refusal (an exchange name, a body limit, an
+    /// event blamed): the same one coming back must not loop sessions.
+    pub strikes: std::collections::HashMap<String, u32>,
 }
 
 /// The oldest unconfirmed event of a session that failed.
@@ -56,14 +57,13 @@ pub fn learn(
     e: &SinkError,
     head: Option<Head>,
     refusals: &mut Refusals,
-    strikes: &mut std::collections::HashMap<String, u32>,
 ) -> Option<PublishError> {
     // Each outbox dead-letters to its own exchange, if it has one.
     let dlxs: Vec<&str> = (cfg.outboxes.iter())
         .filter_map(|o| o.dead_letter_exchange.as_deref())
         .collect();
     let mut strike = |key: String| {
-        let n = strikes.entry(key).or_default();
+        let n = refusals.strikes.entry(key).or_default();
         *n += 1;
         *n
     };
@@ -85,7 +85,7 @@ pub fn learn(
                 return Some(PublishError::Sink(SinkError::NoExchange(exchange)));
             }
             warn!(exchange = %crate::logtext::Shown(&exchange), "the broker has no such exchange; its events will be dead-lettered");
-            (refusals.missing.get_mut().expect("not poisoned")).insert(exchange, Refusal::Missing);
+            refusals.missing.insert(exchange, Refusal::Missing);
         }
         Disposition::BodyLimit(limit) => {
             let n = strike(format!("body limit {limit}"));
@@ -185,21 +185,21 @@ mod tests {
     #[test]
     fn a_message_the_broker_keeps_refusing_is_found_then_dead_lettered() {
         let cfg = config(true);
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
+        let mut r = Refusals::default();
         let e = closed(505, "UNEXPECTED_FRAME");
-        assert!(learn(&cfg, &e, head("a", false, 700), &mut r, &mut strikes).is_none());
+        assert!(learn(&cfg, &e, head("a", false, 700), &mut r).is_none());
         assert_eq!(r.careful_for, 800);
         assert!(r.poison.is_empty(), "not alone: not blamed");
         for n in 1..=3 {
-            assert!(learn(&cfg, &e, head("k", true, 5), &mut r, &mut strikes).is_none());
+            assert!(learn(&cfg, &e, head("k", true, 5), &mut r).is_none());
             assert_eq!(r.poison.contains_key("k"), n == 3, "after {n}");
         }
         assert!(r.poison["k"].contains("UNEXPECTED_FRAME"));
         assert_eq!(r.careful_for, 800, "never shrinks while failing");
         for _ in 4..=6 {
-            assert!(learn(&cfg, &e, head("k", true, 1), &mut r, &mut strikes).is_none());
+            assert!(learn(&cfg, &e, head("k", true, 1), &mut r).is_none());
         }
-        let stop = learn(&cfg, &e, head("k", true, 1), &mut r, &mut strikes).unwrap();
+        let stop = learn(&cfg, &e, head("k", true, 1), &mut r).unwrap();
         assert!(stop.to_string().contains("even as a dead letter"), "{stop}");
         assert!(!stop.is_transient());
     }
@@ -210,18 +210,11 @@ mod tests {
             406,
             "PRECONDITION_FAILED - message size 200000 is larger than configured max size 65536",
         );
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
-        assert!(learn(&config(true), &e, head("b", false, 1), &mut r, &mut strikes).is_none());
+        let mut r = Refusals::default();
+        assert!(learn(&config(true), &e, head("b", false, 1), &mut r).is_none());
         assert_eq!(r.max_body, Some(65_536));
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
-        let stop = learn(
-            &config(false),
-            &e,
-            head("b", false, 1),
-            &mut r,
-            &mut strikes,
-        )
-        .unwrap();
+        let mut r = Refusals::default();
+        let stop = learn(&config(false), &e, head("b", false, 1), &mut r).unwrap();
         let text = stop.to_string();
         assert!(
             text.contains("rabbitmq.max_message_bytes") && text.contains("65536"),
@@ -245,12 +238,12 @@ mod tests {
                 &format!("NOT_FOUND - no exchange '{name}' in vhost '/'"),
             )
         };
-        let (mut r, mut strikes) = (Refusals::default(), Default::default());
-        let stop = learn(&cfg, &missing("orders"), None, &mut r, &mut strikes);
+        let mut r = Refusals::default();
+        let stop = learn(&cfg, &missing("orders"), None, &mut r);
         assert!(stop.is_some(), "a configured exchange is the operator's");
-        assert!(r.missing.get_mut().unwrap().is_empty());
-        let learnt = learn(&cfg, &missing("cart"), None, &mut r, &mut strikes);
+        assert!(r.missing.is_empty());
+        let learnt = learn(&cfg, &missing("cart"), None, &mut r);
         assert!(learnt.is_none());
-        assert!(r.missing.get_mut().unwrap().refusal("cart").is_some());
+        assert!(r.missing.refusal("cart").is_some());
     }
 }

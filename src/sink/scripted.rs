@@ -245,7 +245,7 @@ pub(super) fn message(key: &str, body: usize) -> Envelope {
         exchange: "ex".into(),
         routing_key: key.into(),
         body: bytes::Bytes::from(vec![7u8; body]),
-        properties: lapin::BasicProperties::default().with_message_id(key.into()),
+        properties: amq_protocol::protocol::BasicProperties::default().with_message_id(key.into()),
     }
 }
 

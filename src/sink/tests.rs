@@ -76,7 +76,7 @@ fn dest(_: &String) -> (String, String) {
 
 fn apply(u: &mut Unconfirmed<String>, ev: Event) -> Vec<(String, Result<(), String>)> {
     let mut out = Vec::new();
-    u.apply(ev, (some, dest), &mut out).unwrap();
+    u.apply(ev, some, dest, &mut out).unwrap();
     out.into_iter()
         .map(|(m, r)| (m, r.map_err(|e| e.to_string())))
         .collect()
@@ -141,7 +141,7 @@ fn a_returned_message_is_matched_by_id_and_its_ack_is_a_failure() {
 fn a_return_for_no_waiting_message_ends_the_session() {
     let mut u = published(2);
     let mut out = Vec::new();
-    let e = u.apply(returned("m9"), (some, dest), &mut out).unwrap_err();
+    let e = u.apply(returned("m9"), some, dest, &mut out).unwrap_err();
     assert!(e.is_transient(), "{e}");
     assert!(e.to_string().contains("m9"), "{e}");
 }
@@ -182,8 +182,8 @@ fn a_routable_copy_with_the_same_id_is_not_returned() {
     let id = |m: &(String, String)| Some(m.0.clone());
     let to = |m: &(String, String)| ("ex".to_owned(), m.1.clone());
     let mut out = Vec::new();
-    u.apply(ret, (id, to), &mut out).unwrap();
-    u.apply(ack(2, true), (id, to), &mut out).unwrap();
+    u.apply(ret, id, to, &mut out).unwrap();
+    u.apply(ack(2, true), id, to, &mut out).unwrap();
     assert!(out[0].1.is_ok(), "the routable copy: {:?}", out[0].1);
     assert!(
         matches!(out[1].1, Err(SinkError::Returned { .. })),
@@ -203,9 +203,8 @@ fn a_return_without_message_id_matches_messages_without_one() {
     }
     let mut out = Vec::new();
     let to = |_: &Option<String>| ("ex".to_owned(), "rk".to_owned());
-    u.apply(ret, (Option::clone, to), &mut out).unwrap();
-    u.apply(ack(2, true), (Option::clone, to), &mut out)
-        .unwrap();
+    u.apply(ret, Option::clone, to, &mut out).unwrap();
+    u.apply(ack(2, true), Option::clone, to, &mut out).unwrap();
     assert!(out[0].1.is_ok());
     assert!(
         matches!(out[1].1, Err(SinkError::Returned { .. })),
@@ -219,9 +218,7 @@ fn an_answer_for_a_tag_never_published_ends_the_session() {
     for multiple in [false, true] {
         let mut u = published(3);
         let mut out = Vec::new();
-        let e = u
-            .apply(ack(9, multiple), (some, dest), &mut out)
-            .unwrap_err();
+        let e = u.apply(ack(9, multiple), some, dest, &mut out).unwrap_err();
         assert!(e.to_string().contains("delivery tag 9"), "{e}");
         assert!(out.is_empty(), "nothing settled");
         assert_eq!(u.len(), 3);

@@ -86,10 +86,8 @@ impl<T> Unconfirmed<T> {
     pub fn apply(
         &mut self,
         ev: Event,
-        (message_id, destination): (
-            impl Fn(&T) -> Option<String>,
-            impl Fn(&T) -> (String, String),
-        ),
+        message_id: impl Fn(&T) -> Option<String>,
+        destination: impl Fn(&T) -> (String, String),
         out: &mut Vec<(T, Result<(), SinkError>)>,
     ) -> Result<(), SinkError> {
         let protocol = |what: String| SinkError::Amqp {

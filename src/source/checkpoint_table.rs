@@ -152,15 +152,26 @@ pub async fn set_recovery(
     Ok(())
 }
 
-/// Records `p` for the configured slot, written on the cluster
-/// `system_id`, with the time from which rows of an outbox table changed
-/// since may date (`coverage_since`, see `source::coverage`). A table made
+/// What a checkpoint row says besides the position.
+#[derive(Debug, Clone, Copy)]
+pub struct Stamp<'a> {
+    /// The cluster it was written on.
+    pub system_id: &'a str,
+    /// The time from which rows of an outbox table changed since may date
+    /// (see `source::coverage`).
+    pub coverage_since: &'a str,
+}
+
+/// Records `p` for the configured slot, with its [`Stamp`]. A table made
 /// before it recorded these gets the rest.
 pub async fn write(
     client: &Client,
     cfg: &Config,
     p: Progress,
-    (system_id, coverage_since): (&str, &str),
+    Stamp {
+        system_id,
+        coverage_since,
+    }: Stamp<'_>,
 ) -> Result<(), SourceError> {
     let t = cfg.postgres.checkpoint_table.quoted();
     let commit_us = p.commit_time_us.map(|t| t as f64);

@@ -117,7 +117,8 @@ async fn read_holds(
     client: &Client,
     pg: &PostgresConfig,
     publication: &str,
-    (roots, names): (&[u32], &[String]),
+    roots: &[u32],
+    names: &[String],
 ) -> Result<Vec<Hold>, SourceError> {
     let rows = client
         .query(HOLD_SQL, &[&publication, &roots, &names])
@@ -297,7 +298,7 @@ impl Snapshot {
         let roots: Vec<u32> = tables.iter().map(|t| t.2).collect();
         let names: Vec<String> = tables.iter().map(|t| t.0.quoted()).collect();
         let publication = &cfg.postgres.publication;
-        let holds = read_holds(client, &cfg.postgres, publication, (&roots, &names)).await?;
+        let holds = read_holds(client, &cfg.postgres, publication, &roots, &names).await?;
         Ok(Snapshot {
             tables: (tables.into_iter().zip(holds))
                 .map(|((table, key, root), hold)| Table {
@@ -421,7 +422,7 @@ impl Coverage {
         let roots: Vec<u32> = tables.iter().map(|t| t.2).collect();
         let names: Vec<String> = tables.iter().map(|t| t.0.quoted()).collect();
         let publication = &cfg.postgres.publication;
-        let holds = read_holds(client, &cfg.postgres, publication, (&roots, &names)).await?;
+        let holds = read_holds(client, &cfg.postgres, publication, &roots, &names).await?;
         let coverage = Coverage {
             publication: cfg.postgres.publication.clone(),
             several: tables.len() > 1,
@@ -488,7 +489,8 @@ impl Coverage {
         client: &Client,
         cfg: &Config,
         previous: Option<&Seen>,
-        (start, system_id): (Lsn, &str),
+        start: Lsn,
+        system_id: &str,
     ) -> Result<(), SourceError> {
         let seen = self.seen();
         let text = serde_json::to_string(&seen.tables).expect("plain data");
@@ -578,7 +580,7 @@ impl Coverage {
             return Ok(at);
         }
         let names: Vec<String> = self.tables.iter().map(|t| t.table.quoted()).collect();
-        let holds = read_holds(client, pg, &self.publication, (&roots, &names))
+        let holds = read_holds(client, pg, &self.publication, &roots, &names)
             .await
             .map_err(Uncertain::Unread)?;
         for (watched, now) in self.tables.iter().zip(&holds) {

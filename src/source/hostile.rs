@@ -17,8 +17,16 @@ where
     Fut: std::future::Future<Output = ()> + Send,
 {
     let (cfg, server) = pg_server("sslmode=disable", script).await;
-    let e = match start_replication(&cfg, Lsn(0), None, (16, std::time::Duration::from_secs(60)))
-        .await
+    let e = match start_replication(
+        &cfg,
+        Lsn(0),
+        None,
+        super::StreamLimits {
+            buffer_events: 16,
+            silence_limit: std::time::Duration::from_secs(60),
+        },
+    )
+    .await
     {
         Ok(_) => panic!("the replication connection opened"),
         Err(e) => e,

@@ -25,12 +25,20 @@ async fn asks(
         Ok(_) => panic!("the SQL connection opened"),
         Err(e) => e,
     };
-    let replication =
-        match start_replication(&cfg, Lsn(0), None, (16, std::time::Duration::from_secs(60))).await
-        {
-            Ok(_) => panic!("the replication connection opened"),
-            Err(e) => e,
-        };
+    let replication = match start_replication(
+        &cfg,
+        Lsn(0),
+        None,
+        super::StreamLimits {
+            buffer_events: 16,
+            silence_limit: std::time::Duration::from_secs(60),
+        },
+    )
+    .await
+    {
+        Ok(_) => panic!("the replication connection opened"),
+        Err(e) => e,
+    };
     for e in [&sql, &replication] {
         assert!(matches!(e, SourceError::Setup(_)), "not a refusal: {e}");
     }

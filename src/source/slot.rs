@@ -334,7 +334,7 @@ async fn require_publication_of(
 ) -> Result<(), SourceError> {
     let pg = &cfg.postgres;
     match publication_state(client, cfg, oids.root).await? {
-        Some((true, true)) => match partial_rows(client, &pg.publication, (table, oids.root))
+        Some((true, true)) => match partial_rows(client, &pg.publication, table, oids.root)
             .await
             .map_err(sql_err(pg, "reading pg_publication_rel"))?
         {
@@ -367,7 +367,8 @@ async fn require_publication_of(
 pub async fn partial_rows(
     client: &Client,
     publication: &str,
-    (table, root): (&TableName, u32),
+    table: &TableName,
+    root: u32,
 ) -> Result<Option<String>, tokio_postgres::Error> {
     let rows = client
         .query(

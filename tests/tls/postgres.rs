@@ -138,7 +138,10 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
         &c.postgres,
         Lsn(0),
         None,
-        (16, std::time::Duration::from_secs(60)),
+        outbox_relay::source::StreamLimits {
+            buffer_events: 16,
+            silence_limit: std::time::Duration::from_secs(60),
+        },
     )
     .await
     .unwrap();
@@ -163,7 +166,10 @@ async fn postgres_without_tls_prefer_falls_back_require_fails() {
                 &c.postgres,
                 Lsn(0),
                 None,
-                (16, std::time::Duration::from_secs(60)),
+                outbox_relay::source::StreamLimits {
+                    buffer_events: 16,
+                    silence_limit: std::time::Duration::from_secs(60),
+                },
             )
             .await
             .err(),

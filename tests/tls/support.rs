@@ -455,7 +455,10 @@ pub async fn both_connections_with(
         &c.postgres,
         Lsn(0),
         None,
-        (16, std::time::Duration::from_secs(60)),
+        outbox_relay::source::StreamLimits {
+            buffer_events: 16,
+            silence_limit: std::time::Duration::from_secs(60),
+        },
     )
     .await;
     let result = match (&sql, &repl) {

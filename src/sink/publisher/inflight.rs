@@ -24,6 +24,15 @@ pub(super) enum Content {
     DeadLetter(Box<Envelope>),
 }
 
+/// A new message's sizes.
+pub(super) struct Sizes {
+    /// Its body, for the published-bytes counter (0 for an event: counted
+    /// as it is encoded).
+    pub(super) body_bytes: usize,
+    /// What it holds, counted against `rabbitmq.window_bytes`.
+    pub(super) held: usize,
+}
+
 /// A message on its way: what to re-publish if it comes back.
 pub(super) struct InFlight {
     pub(super) seq: Seq,
@@ -43,7 +52,7 @@ impl InFlight {
     pub(super) fn new(
         seq: Seq,
         content: Content,
-        (body_bytes, held): (usize, usize),
+        Sizes { body_bytes, held }: Sizes,
         commit_time_us: i64,
     ) -> InFlight {
         InFlight {
@@ -62,7 +71,10 @@ impl InFlight {
         InFlight::new(
             seq,
             Content::DeadLetter(Box::new(dl)),
-            (bytes, bytes),
+            Sizes {
+                body_bytes: bytes,
+                held: bytes,
+            },
             commit_time_us,
         )
     }
@@ -181,7 +193,7 @@ pub(super) const DEAD_LETTER_TEXT_MAX: usize = 1024;
 /// [`DEAD_LETTER_TEXT_MAX`]). A dead letter the broker refused would be
 /// replayed forever.
 pub(super) fn fit_dead_letter(mut env: Envelope, frame_max: u32, max_body: usize) -> Envelope {
-    use lapin::types::{AMQPValue, FieldTable};
+    use amq_protocol::types::{AMQPValue, FieldTable};
     if env.body.len() > max_body {
         env = env.without_body();
     }

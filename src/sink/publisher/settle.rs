@@ -60,8 +60,8 @@ impl Publisher<'_> {
                         "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({reply}) after {n} attempts"
                     )
                 };
-                let limit = (self.cfg.unroutable_attempts, RetryReason::returned);
-                self.again_or_dead_letter(f, id, limit, reason, |id, n, delay| {
+                let limit = self.cfg.unroutable_attempts;
+                self.again_or_dead_letter(f, id, limit, RetryReason::returned, reason, |id, n, delay| {
                     warn!(event_id = %id, attempt = n, retry_in_ms = delay.as_millis() as u64, exchange = %Shown(&exchange), routing_key = %Shown(&routing_key), "unroutable; will publish again");
                 })
             }
@@ -72,8 +72,7 @@ impl Publisher<'_> {
                          reject-publish)"
                     )
                 };
-                let limit = (NACK_ATTEMPTS, RetryReason::nacked);
-                self.again_or_dead_letter(f, id, limit, reason, |id, n, delay| {
+                self.again_or_dead_letter(f, id, NACK_ATTEMPTS, RetryReason::nacked, reason, |id, n, delay| {
                     warn!(event_id = %id, attempt = n, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
                 })
             }
@@ -89,7 +88,8 @@ impl Publisher<'_> {
         &mut self,
         mut f: InFlight,
         id: String,
-        (limit, why): (u32, RetryReason),
+        limit: u32,
+        why: RetryReason,
         reason: impl FnOnce(u32) -> String,
         log: impl FnOnce(&str, u32, Duration),
     ) -> Result<Option<(Duration, InFlight)>, PublishError> {

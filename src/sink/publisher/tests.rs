@@ -4,8 +4,8 @@
 /// cut short; one with a body over the limit goes without it.
 #[test]
 fn dead_letters_are_made_to_fit() {
-    use lapin::BasicProperties;
-    use lapin::types::{AMQPValue, FieldTable};
+    use amq_protocol::protocol::BasicProperties;
+    use amq_protocol::types::{AMQPValue, FieldTable};
     let mut headers = FieldTable::default();
     headers.insert(
         "pad".into(),

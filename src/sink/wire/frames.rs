@@ -339,7 +339,7 @@ pub(super) fn encode_envelope(
 
 /// The encoded size of the content-header frame `properties` make (frame
 /// overhead included): what must fit in `frame_max`.
-pub fn header_frame_len(properties: &lapin::BasicProperties) -> usize {
+pub fn header_frame_len(properties: &amq_protocol::protocol::BasicProperties) -> usize {
     let frame = AMQPFrame::Header(
         PUBLISH_CHANNEL,
         AMQPContentHeader {

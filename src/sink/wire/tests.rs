@@ -27,7 +27,7 @@ fn the_write_buffer_is_compacted_after_partial_writes() {
         exchange: "ex".into(),
         routing_key: format!("rk{i}").into(),
         body: bytes::Bytes::from(vec![(i % 251) as u8; 10_000]),
-        properties: lapin::BasicProperties::default(),
+        properties: amq_protocol::protocol::BasicProperties::default(),
     };
     let mut expected = Vec::new();
     let mut got = Vec::new();
