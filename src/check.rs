@@ -38,6 +38,7 @@ use crate::source::SourceError;
 mod broker;
 mod outbox;
 mod postgres;
+use crate::sink::AmqpSink;
 use broker::{broker_connect, broker_in_the_clear, exchanges};
 use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
@@ -232,18 +233,15 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
 
     // RabbitMQ: every node of the list. With several, one that does not
     // answer is a warning as long as another does (the relay moves on).
-    let mut conn = None;
+    let mut conn: Option<AmqpSink> = None;
     let mut node_lines = Vec::new();
-    for url in &cfg.rabbitmq.urls {
-        let (line, c) = broker_connect(cfg, url.expose()).await;
+    for (node, url) in cfg.rabbitmq.urls.iter().enumerate() {
+        let (line, c) = broker_connect(cfg, node).await;
         node_lines.push(line);
         node_lines.extend(broker_in_the_clear(url.expose()));
         match (c, &conn) {
             (Some(c), None) => conn = Some(c),
-            (Some(c), Some(_)) => {
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(5), c.close(200, "ok".into())).await;
-            }
+            (Some(c), Some(_)) => close(c).await,
             (None, _) => {}
         }
     }
@@ -256,13 +254,9 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
     }
     push(node_lines);
     match conn {
-        Some(conn) => {
-            push(exchanges(cfg, &conn).await);
-            let _ = tokio::time::timeout(
-                Duration::from_secs(5),
-                conn.close(200, "outbox-relay check done".into()),
-            )
-            .await;
+        Some(mut conn) => {
+            push(exchanges(cfg, &mut conn).await);
+            close(conn).await;
         }
         None => push(vec![Line::warn(
             "RabbitMQ checks skipped",
@@ -270,6 +264,12 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
         )]),
     }
     lines
+}
+
+/// Closes a broker connection `check` opened, without waiting long for a
+/// broker that does not answer.
+async fn close(sink: AmqpSink) {
+    let _ = tokio::time::timeout(Duration::from_secs(5), sink.close()).await;
 }
 
 /// Runs one check under [`CHECK_TIMEOUT`]; a failed query or the deadline

@@ -1,6 +1,6 @@
 //! TLS for the three connections: the SQL connection (tokio-postgres with
 //! rustls), the replication connection (pgwire-replication's rustls) and the
-//! broker connection (tokio-rustls; lapin's rustls for `check`). All use the
+//! broker connection (tokio-rustls, for `run` and `check` alike). All use the
 //! ring provider.
 //!
 //! PostgreSQL follows libpq's `sslmode`, and refuses what libpq refuses:
@@ -173,7 +173,7 @@ fn root_store(ca_file: &Path) -> Result<RootCertStore, String> {
 }
 
 fn provider() -> Arc<CryptoProvider> {
-    // pgwire-replication and lapin's connector use the process default;
+    // pgwire-replication uses the process default;
     // make it ring everywhere (aws-lc-rs may be compiled in as well, and then
     // rustls would refuse to pick one).
     let _ = rustls::crypto::ring::default_provider().install_default();

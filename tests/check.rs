@@ -578,20 +578,26 @@ async fn least_privilege_role_relays_and_cannot_take_a_base_backup() {
     // Events flow, and the relay records its checkpoint (with now()).
     fx.start_consumer().await;
     let relay = fx.spawn_relay_env(&as_role);
-    let ids = fx.insert_many(&pg, 5, "lp", |i| i.to_string(), "e").await;
-    fx.expect_delivered(&ids, &relay).await;
-    let end: String = pg
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+    // The rows commit after this position: a checkpoint past it, with a
+    // commit time, is the relay's write for them (the row the relay makes
+    // at start has none). Not pg_current_wal_lsn() after the delivery: a
+    // checkpoint is written for a transaction, not for the keepalives
+    // that move the position past it later.
+    let before: String = pg
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
         .await
         .unwrap()
         .get(0);
+    let ids = fx.insert_many(&pg, 5, "lp", |i| i.to_string(), "e").await;
+    fx.expect_delivered(&ids, &relay).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let recorded = pg
             .query_opt(
                 "SELECT 1 FROM outbox_relay_checkpoint \
-                 WHERE slot_name = $1 AND confirmed_lsn >= $2::text::pg_lsn",
-                &[&fx.slot, &end],
+                 WHERE slot_name = $1 AND confirmed_lsn > $2::text::pg_lsn \
+                   AND last_commit_time IS NOT NULL",
+                &[&fx.slot, &before],
             )
             .await
             .unwrap();

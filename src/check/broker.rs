@@ -1,37 +1,41 @@
-//! The RabbitMQ checks: every node reachable and logged in, the exchanges exist.
+//! The RabbitMQ checks: every node reachable and logged in, the exchanges
+//! exist. They connect with the relay's own client ([`AmqpSink`]), as a
+//! session does, so that what `check` finds is what `run` will meet.
 
 use super::{CHECK_TIMEOUT, Line};
 use crate::config::Config;
 use crate::config::shown_url;
-use crate::tls::TlsFailure;
-use lapin::Connection;
-use lapin::ConnectionProperties;
-use lapin::ExchangeKind;
-use lapin::options::ExchangeDeclareOptions;
-use lapin::protocol::AMQPErrorKind;
-use lapin::protocol::AMQPHardError;
-use lapin::protocol::AMQPSoftError;
-use lapin::types::FieldTable;
-use std::time::Duration;
+use crate::sink::wire::WireError;
+use crate::sink::{AmqpSink, SinkError};
 
-/// What the broker check says about an AMQP error.
-pub(super) fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> String {
-    match e.kind() {
-        lapin::ErrorKind::ProtocolError(p) => match p.kind() {
-            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => format!(
-                "the broker refused user {user:?} ({}): fix the user name or password \
-                 in rabbitmq.url (or OUTBOX_RELAY_RABBITMQ_URL)",
-                p.get_message()
-            ),
-            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => format!(
-                "user {user:?} may not use vhost {vhost:?} ({}): create the vhost or grant \
-                 access (rabbitmqctl set_permissions -p '{vhost}' '{user}' '.*' '.*' '.*'), or fix the \
-                 vhost in rabbitmq.url",
-                p.get_message()
-            ),
-            _ => format!("the broker refused the connection ({p})"),
-        },
-        lapin::ErrorKind::IOError(io) => {
+/// What the broker check says about a failure to connect as `user` to
+/// `vhost`.
+pub(super) fn describe_amqp_error(e: &SinkError, user: &str, vhost: &str) -> String {
+    let no_answer = || {
+        format!(
+            "no answer within {} s: is the host and port in rabbitmq.url a RabbitMQ broker?",
+            CHECK_TIMEOUT.as_secs()
+        )
+    };
+    let SinkError::Amqp { source, .. } = e else {
+        return match e {
+            SinkError::Timeout(_) => no_answer(),
+            // Names rabbitmq.ca_file, or says what the certificate lacks.
+            SinkError::Tls(why) => why.clone(),
+            other => other.to_string(),
+        };
+    };
+    match source {
+        WireError::ConnectionClosed { code: 403, text } => format!(
+            "the broker refused user {user:?} ({text}): fix the user name or password in \
+             rabbitmq.url (or OUTBOX_RELAY_RABBITMQ_URL)"
+        ),
+        WireError::ConnectionClosed { code: 530, text } => format!(
+            "user {user:?} may not use vhost {vhost:?} ({text}): create the vhost or grant \
+             access (rabbitmqctl set_permissions -p '{vhost}' '{user}' '.*' '.*' '.*'), or fix \
+             the vhost in rabbitmq.url"
+        ),
+        WireError::Io(io) => {
             let what = if io.kind() == std::io::ErrorKind::ConnectionRefused {
                 "connection refused".to_owned()
             } else {
@@ -39,7 +43,11 @@ pub(super) fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> 
             };
             format!("{what}: is RabbitMQ running, and are the host and port in rabbitmq.url right?")
         }
-        _ => e.to_string(),
+        WireError::Eof => format!(
+            "the connection closed during the handshake ({source}): is the host and port in \
+             rabbitmq.url a RabbitMQ broker?"
+        ),
+        other => format!("the broker refused the connection ({other})"),
     }
 }
 
@@ -48,7 +56,7 @@ pub(super) fn describe_amqp_error(e: &lapin::Error, user: &str, vhost: &str) -> 
 /// network as it is, and every event with it.
 pub(super) fn broker_in_the_clear(url: &str) -> Option<Line> {
     let uri = crate::sink::parse_amqp_url(url).ok()?;
-    if uri.scheme != lapin::uri::AMQPScheme::AMQP {
+    if uri.scheme != amq_protocol::uri::AMQPScheme::AMQP {
         return None;
     }
     let host = uri.authority.host.as_str();
@@ -66,102 +74,30 @@ pub(super) fn broker_in_the_clear(url: &str) -> Option<Line> {
     })
 }
 
-pub(super) async fn broker_connect(cfg: &Config, url: &str) -> (Line, Option<Connection>) {
+/// Connects to node `node` of `rabbitmq.url` as a session does (TLS, login,
+/// vhost, the publishing channel in confirm mode).
+pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<AmqpSink>) {
+    let url = cfg.rabbitmq.urls[node].expose();
     let what = format!("RabbitMQ reachable at {}", shown_url(url));
     let uri = match crate::sink::parse_amqp_url(url) {
         Ok(u) => u,
         Err(_) => return (Line::fail(what, crate::redact::NOT_A_URL), None),
     };
-    let (user, vhost) = (uri.authority.userinfo.username.clone(), uri.vhost.clone());
-    let props = ConnectionProperties::default().with_connection_name("outbox-relay check".into());
-    // The same TLS set-up as the relay's own connection (amqps:// only).
-    // `ca_file` is set for every amqps:// URL (the configured CA, or the
-    // system bundle); lapin then trusts it alone.
-    let tls = match cfg
-        .rabbitmq
-        .ca_file
-        .as_deref()
-        .map(crate::tls::rabbitmq_tls)
-    {
-        Some(Ok(t)) => t,
-        Some(Err(e)) => return (Line::fail(what, format!("rabbitmq.ca_file: {e}")), None),
-        None => lapin::tcp::OwnedTLSConfig::default(),
+    let (user, vhost) = (uri.authority.userinfo.username, uri.vhost);
+    let open = AmqpSink::open_node(&cfg.rabbitmq, node, "outbox-relay check");
+    let failed = match tokio::time::timeout(CHECK_TIMEOUT, open).await {
+        Ok(Ok(sink)) => {
+            let line = Line::ok(what, format!("logged in as {user}, vhost {vhost}"));
+            return (line, Some(sink));
+        }
+        Ok(Err(e)) => e,
+        Err(_) => SinkError::Timeout("connecting to RabbitMQ"),
     };
-    if let Some(roots) = cfg.rabbitmq.ca_file.as_deref()
-        && uri.scheme == lapin::uri::AMQPScheme::AMQPS
-    {
-        let host = uri.authority.host.as_str();
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        let port = uri.authority.port;
-        let shake = crate::tls::rabbitmq_handshake(host, port, roots);
-        if let Ok(Err(e)) = tokio::time::timeout(CHECK_TIMEOUT, shake).await
-            && let Some(f) = TlsFailure::find(&e).filter(TlsFailure::is_permanent)
-        {
-            let msg = crate::tls::rabbitmq_failure(&f, &shown_url(url));
-            return (Line::fail(what, msg), None);
-        }
-    }
-    let builder = match lapin::DefaultConnectionBuilder::new() {
-        Ok(b) => b
-            .with_uri(uri.clone())
-            .with_properties(props)
-            .with_tls_config(tls),
-        Err(e) => return (Line::fail(what, e.to_string()), None),
-    };
-    let conn = match tokio::time::timeout(CHECK_TIMEOUT, builder.connect()).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => {
-            return (
-                Line::fail(what, describe_amqp_error(&e, &user, &vhost)),
-                None,
-            );
-        }
-        Err(_) => {
-            return (
-                Line::fail(
-                    what,
-                    format!(
-                        "no answer within {} s: is the host and port in rabbitmq.url a RabbitMQ broker?",
-                        CHECK_TIMEOUT.as_secs()
-                    ),
-                ),
-                None,
-            );
-        }
-    };
-    // The relay publishes on a channel of its own: open one too.
-    match tokio::time::timeout(CHECK_TIMEOUT, conn.create_channel()).await {
-        Ok(Ok(ch)) => {
-            let _ = tokio::time::timeout(Duration::from_secs(5), ch.close(200, "ok".into())).await;
-            (
-                Line::ok(what, format!("logged in as {user}, vhost {vhost}")),
-                Some(conn),
-            )
-        }
-        Ok(Err(e)) => (
-            Line::fail(
-                what,
-                format!(
-                    "logged in, but opening a channel failed: {}",
-                    describe_amqp_error(&e, &user, &vhost)
-                ),
-            ),
-            None,
-        ),
-        Err(_) => (
-            Line::fail(
-                what,
-                format!(
-                    "logged in, but opening a channel got no answer within {} s",
-                    CHECK_TIMEOUT.as_secs()
-                ),
-            ),
-            None,
-        ),
-    }
+    let line = Line::fail(what, describe_amqp_error(&failed, &user, &vhost));
+    (line, None)
 }
 
-pub(super) async fn exchanges(cfg: &Config, conn: &Connection) -> Vec<Line> {
+pub(super) async fn exchanges(cfg: &Config, sink: &mut AmqpSink) -> Vec<Line> {
     let mut lines = Vec::new();
     // Each exchange once, whichever outboxes share it.
     let mut seen: Vec<String> = Vec::new();
@@ -182,7 +118,7 @@ pub(super) async fn exchanges(cfg: &Config, conn: &Connection) -> Vec<Line> {
                 "the default exchange always exists",
             )),
             Some(name) if once(name.to_owned()) => {
-                lines.push(exchange(conn, name, "exchange", &key).await);
+                lines.push(exchange(sink, name, "exchange", &key).await);
             }
             Some(_) => {}
             None => {
@@ -216,66 +152,41 @@ pub(super) async fn exchanges(cfg: &Config, conn: &Connection) -> Vec<Line> {
             } else {
                 "rabbitmq.dead_letter_exchange".to_owned()
             };
-            lines.push(exchange(conn, dlx, "dead-letter exchange", &key).await);
+            lines.push(exchange(sink, dlx, "dead-letter exchange", &key).await);
         }
     }
     lines
 }
 
-/// Passive declare of `name` on a throwaway channel (a failed passive
+/// Passive declare of `name` (on a channel of its own: a failed passive
 /// declare closes the channel it ran on).
-pub(super) async fn exchange(conn: &Connection, name: &str, role: &str, key: &str) -> Line {
+pub(super) async fn exchange(sink: &mut AmqpSink, name: &str, role: &str, key: &str) -> Line {
     let what = format!("{role} {name:?}");
-    let res = tokio::time::timeout(CHECK_TIMEOUT, async {
-        let ch = conn.create_channel().await?;
-        ch.exchange_declare(
-            name.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-        let _ = ch.close(200, "ok".into()).await;
-        Ok::<(), lapin::Error>(())
-    })
-    .await;
+    let res = tokio::time::timeout(CHECK_TIMEOUT, sink.check_exchange(name)).await;
     match res {
         Ok(Ok(())) => Line::ok(what, "exists"),
-        Ok(Err(e)) => match e.kind() {
-            lapin::ErrorKind::ProtocolError(p)
-                if matches!(p.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)) =>
-            {
-                Line::fail(
-                    what,
-                    format!(
-                        "does not exist on the broker ({key}): declare it (e.g. a durable topic \
-                         exchange), or fix {key}"
-                    ),
-                )
-            }
-            lapin::ErrorKind::ProtocolError(p)
-                if matches!(p.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
-            {
-                Line::fail(
-                    what,
-                    format!(
-                        "access refused ({}): grant the user permissions on it, or fix {key}",
-                        p.get_message()
-                    ),
-                )
-            }
-            _ => Line::fail(what, format!("could not be checked: {e}")),
-        },
-        Err(_) => Line::fail(
+        Ok(Err(SinkError::NoExchange(_))) => Line::fail(
+            what,
+            format!(
+                "does not exist on the broker ({key}): declare it (e.g. a durable topic \
+                 exchange), or fix {key}"
+            ),
+        ),
+        Ok(Err(SinkError::Amqp {
+            source: WireError::ChannelClosed { code: 403, text },
+            ..
+        })) => Line::fail(
+            what,
+            format!("access refused ({text}): grant the user permissions on it, or fix {key}"),
+        ),
+        Ok(Err(SinkError::Timeout(_))) | Err(_) => Line::fail(
             what,
             format!(
                 "could not be checked: no answer within {} s",
                 CHECK_TIMEOUT.as_secs()
             ),
         ),
+        Ok(Err(e)) => Line::fail(what, format!("could not be checked: {e}")),
     }
 }
 

@@ -10,7 +10,7 @@
 //! caller next waits for the broker, and hands back the broker's answers
 //! (`basic.ack`, `basic.nack`, `basic.return`, `connection.blocked`) as
 //! plain values. Frames are encoded and parsed by amq-protocol, the codec
-//! lapin itself uses. lapin still serves `outbox-relay check` and the tests.
+//! lapin itself uses. lapin serves only the tests and the example consumer.
 //!
 //! What it does not do: consume, transactions, more than one publishing
 //! channel, SASL mechanisms other than PLAIN. A failure ends the
