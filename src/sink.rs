@@ -11,19 +11,11 @@
 //! The connection is [`wire::Wire`], a publishing-only AMQP client driven by
 //! the publishing task itself (see there why not lapin).
 
-#[cfg(test)]
-mod conformance;
-#[cfg(test)]
-mod fuzz;
-#[cfg(test)]
-mod hostile;
 pub mod nodes;
 pub mod publisher;
 pub mod refusals;
 pub mod refused;
 pub mod replies;
-#[cfg(test)]
-mod scripted;
 mod unconfirmed;
 pub mod wire;
 pub use unconfirmed::Unconfirmed;

@@ -34,8 +34,16 @@ use tokio::time::Instant;
 
 use crate::message::{Envelope, MessageView};
 
+#[cfg(test)]
+mod conformance;
 mod connect;
 mod frames;
+#[cfg(test)]
+mod fuzz;
+#[cfg(test)]
+mod hostile;
+#[cfg(test)]
+mod scripted;
 #[cfg(test)]
 mod tests;
 

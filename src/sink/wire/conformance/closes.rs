@@ -8,9 +8,9 @@ use std::time::Duration;
 use amq_protocol::protocol::{AMQPClass, channel, connection};
 use tokio::net::TcpListener;
 
-use super::super::replies::Disposition;
+use super::super::Target;
 use super::super::scripted::{Peer, broker, connect, message, next_event};
-use super::super::wire::Target;
+use crate::sink::replies::Disposition;
 
 /// The broker closes the publishing channel (406): the client answers
 /// close-ok at once, reports the close, and still closes the connection
@@ -118,7 +118,7 @@ async fn ends_with_close_notify(p: &mut Peer) {
     );
 }
 
-async fn close_within_10s(w: super::super::wire::Wire) {
+async fn close_within_10s(w: super::super::Wire) {
     tokio::time::timeout(Duration::from_secs(10), w.close())
         .await
         .expect("close hung")
@@ -143,7 +143,7 @@ where
             .unwrap();
         script(Peer::new(tls)).await;
     });
-    let uri = super::super::parse_amqp_url(&format!("amqps://u:p@localhost:{port}/v")).unwrap();
+    let uri = crate::sink::parse_amqp_url(&format!("amqps://u:p@localhost:{port}/v")).unwrap();
     let target = Target {
         uri,
         tls: Some(roots),

@@ -6,9 +6,9 @@ use amq_protocol::frame::AMQPFrame;
 use amq_protocol::protocol::{AMQPClass, connection};
 use tokio::io::AsyncWriteExt;
 
-use super::super::replies::Disposition;
 use super::super::scripted::{broker, connect};
-use super::super::wire::{WireError, encode_frame};
+use super::super::{WireError, encode_frame};
+use crate::sink::replies::Disposition;
 
 #[tokio::test]
 async fn wrong_credentials_stop_and_the_close_is_answered() {

@@ -12,7 +12,7 @@ use amq_protocol::types::FieldTable;
 use proptest::prelude::*;
 use tokio::io::AsyncWriteExt;
 
-use super::wire::{Target, Wire, WireError, encode_frame};
+use super::{Target, Wire, WireError, encode_frame};
 
 /// Frames a broker may send the publishing side, valid.
 fn valid_stream() -> Vec<u8> {
@@ -142,7 +142,7 @@ fn feed_from(bytes: Vec<u8>, handshake: bool, end: End) -> Option<(usize, WireEr
         };
         let mut w = if handshake {
             let target = Target {
-                uri: super::parse_amqp_url("amqp://u:p@fuzz/v").unwrap(),
+                uri: crate::sink::parse_amqp_url("amqp://u:p@fuzz/v").unwrap(),
                 tls: None,
                 connection_name: "fuzz".into(),
             };

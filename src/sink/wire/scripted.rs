@@ -10,7 +10,7 @@ use amq_protocol::types::FieldTable;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use super::wire::{Event, Target, Wire, WireError, encode_frame};
+use super::{Event, Target, Wire, WireError, encode_frame};
 use crate::message::Envelope;
 
 /// The broker's side of a socket: TCP, or TLS over it.
@@ -225,7 +225,7 @@ where
     } else {
         host.to_owned()
     };
-    let uri = super::parse_amqp_url(&format!("amqp://u:p@{in_url}:{port}/v")).unwrap();
+    let uri = crate::sink::parse_amqp_url(&format!("amqp://u:p@{in_url}:{port}/v")).unwrap();
     let target = Target {
         uri,
         tls: None,

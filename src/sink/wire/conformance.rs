@@ -11,9 +11,9 @@ use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection, exc
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
-use super::replies::Disposition;
 use super::scripted::{Peer, broker, connect, message, next_event};
-use super::wire::{Event, Found, Target, WireError, encode_frame};
+use super::{Event, Found, Target, WireError, encode_frame};
+use crate::sink::replies::Disposition;
 
 mod closes;
 mod handshake;
@@ -278,7 +278,7 @@ async fn the_connection_has_tcp_keepalive() {
             .to_owned();
         assert_eq!(timer, "02", "{line}");
     });
-    let uri = super::parse_amqp_url(&format!("amqp://u:p@127.0.0.1:{port}/v")).unwrap();
+    let uri = crate::sink::parse_amqp_url(&format!("amqp://u:p@127.0.0.1:{port}/v")).unwrap();
     let t = Target {
         uri,
         tls: None,
@@ -628,10 +628,10 @@ async fn never_confirms(mode: &'static str) {
          window = {window}\nwindow_bytes = 1048576\nconfirm_timeout_secs = 2\n"
     );
     let cfg = Config::from_toml(&toml, "test.toml", Vec::new()).unwrap();
-    let mut sink = super::AmqpSink::connect(
+    let mut sink = crate::sink::AmqpSink::connect(
         &cfg.rabbitmq,
         "conformance",
-        &super::nodes::Nodes::new(&cfg.rabbitmq),
+        &crate::sink::nodes::Nodes::new(&cfg.rabbitmq),
     )
     .await
     .unwrap();

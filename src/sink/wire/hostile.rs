@@ -11,7 +11,7 @@ use amq_protocol::protocol::{AMQPClass, basic, connection};
 use tokio::io::AsyncWriteExt;
 
 use super::scripted::{Peer, broker, connect, message, next_event};
-use super::wire::{Target, Wire, WireError, nesting, watch_peer};
+use super::{Target, Wire, WireError, nesting, watch_peer};
 
 /// A field table `{x: [[[...]]]}` whose array nests `depth` levels deep
 /// (5 bytes a level), with its length: a recursive parser needs a stack
@@ -77,7 +77,7 @@ fn handshake_after(frame: Vec<u8>) -> WireError {
             theirs.write_all(&frame).await.unwrap();
             theirs.shutdown().await.unwrap();
             let target = Target {
-                uri: super::parse_amqp_url("amqp://u:p@deep/v").unwrap(),
+                uri: crate::sink::parse_amqp_url("amqp://u:p@deep/v").unwrap(),
                 tls: None,
                 connection_name: "deep".into(),
             };
