@@ -6,7 +6,7 @@ use crate::config::quote_ident;
 use crate::config::shown_url;
 use crate::source::SourceError;
 use crate::source::connect_sql;
-use crate::source::slot;
+use crate::source::slot::{self, SlotProblem};
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
@@ -341,73 +341,29 @@ pub(super) async fn replication_slot(
 ) -> Result<Vec<Line>, CheckError> {
     let name = &cfg.postgres.slot;
     let what = format!("replication slot {name:?}");
+    // The verdict `run` applies (slot::usable_slot): each problem a line.
     let Some(info) = slot::slot_info(client, cfg).await? else {
-        return Ok(vec![Line::fail(
-            what,
-            "does not exist (postgres.slot): on a first start, create it with `outbox-relay setup`; \
-             if it existed and was dropped, run `outbox-relay recover` to recreate it and re-publish \
-             the outbox rows written since the last checkpoint",
-        )]);
+        return Ok(vec![Line::fail(what, SlotProblem::Missing.text(name))]);
     };
-    if info.plugin.as_deref() != Some("pgoutput") {
-        return Ok(vec![Line::fail(
-            what,
-            format!(
-                "uses plugin {:?}, not pgoutput: drop it (SELECT pg_drop_replication_slot('{name}')) \
-                 and run `outbox-relay setup`, or choose another postgres.slot",
-                info.plugin.unwrap_or_default()
-            ),
-        )]);
-    }
-    if info.two_phase {
-        return Ok(vec![Line::fail(
-            what,
-            format!(
-                "was created with two-phase decoding, which streams prepared transactions before \
-                 they commit: drop it (SELECT pg_drop_replication_slot('{name}')) and run \
-                 `outbox-relay setup`"
-            ),
-        )]);
-    }
-    let db: String = client
-        .query_one("SELECT current_database()::text", &[])
-        .await?
-        .get(0);
-    if let Some(slot_db) = info.database.as_deref().filter(|d| *d != db) {
-        return Ok(vec![Line::fail(
-            what,
-            format!(
-                "belongs to database {slot_db}, but postgres.url connects to {db}: \
-                 fix the database in postgres.url, or choose another postgres.slot"
-            ),
-        )]);
-    }
+    let problems = info.problems();
     let wal_status = info.wal_status.as_deref().unwrap_or("-");
-    if wal_status == "lost" {
-        return Ok(vec![Line::fail(
-            what,
-            "is invalidated (wal_status = lost): the WAL it needed was removed, so events committed \
-             since its last confirmed position cannot be replayed from WAL; run `outbox-relay recover` \
-             to recreate the slot and re-publish the outbox rows written since the last checkpoint \
-             (`--dry-run` shows them first)",
-        )]);
-    }
     let lsn = info
         .confirmed_flush_lsn
         .map_or_else(|| "-".to_owned(), |l| l.to_string());
-    let mut lines = Vec::new();
-    match info.active_pid {
-        Some(pid) => lines.push(Line::warn(
-            what.clone(),
-            format!(
-                "slot is active (pid {pid}): another relay is streaming from it; a second `run` waits \
-                 until it stops (pgoutput, wal_status {wal_status}, confirmed_flush_lsn {lsn})"
-            ),
-        )),
-        None => lines.push(Line::ok(
-            what.clone(),
-            format!("pgoutput, wal_status {wal_status}, confirmed_flush_lsn {lsn}, not active"),
-        )),
+    let state = format!("pgoutput, wal_status {wal_status}, confirmed_flush_lsn {lsn}");
+    let mut lines: Vec<Line> = (problems.iter())
+        .map(|p| match p {
+            SlotProblem::Busy(_) => {
+                Line::warn(what.clone(), format!("slot {} ({state})", p.text(name)))
+            }
+            _ => Line::fail(what.clone(), p.text(name)),
+        })
+        .collect();
+    if problems.iter().any(|p| !p.passes()) {
+        return Ok(lines);
+    }
+    if problems.is_empty() {
+        lines.push(Line::ok(what.clone(), format!("{state}, not active")));
     }
     // Surviving a failover: a failover slot (17+), or a re-publish.
     let version: i32 = client

@@ -56,57 +56,131 @@ pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>
     }))
 }
 
+/// What the catalog says is wrong with the slot, in the order `run` meets
+/// them. One verdict for both commands: `run` stops (or waits, or
+/// recovers) on the first; `check` shows each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotProblem {
+    /// No such slot: never made, dropped, or not carried over a failover.
+    Missing,
+    /// Made with another output plugin.
+    Plugin(String),
+    /// A slot of another database.
+    OtherDatabase(String),
+    /// Made for two-phase decoding.
+    TwoPhase,
+    /// Invalidated (`wal_status = lost`).
+    Lost,
+    /// Another process streams from it (its walsender's pid).
+    Busy(i32),
+    /// No confirmed position (not a logical slot).
+    NoPosition,
+}
+
+impl SlotInfo {
+    /// Every problem with the slot; none: `run` may stream from it.
+    pub fn problems(&self) -> Vec<SlotProblem> {
+        let mut found = Vec::new();
+        if self.plugin.as_deref() != Some("pgoutput") {
+            found.push(SlotProblem::Plugin(self.plugin.clone().unwrap_or_default()));
+        }
+        if !self.in_this_database {
+            found.push(SlotProblem::OtherDatabase(
+                self.database.clone().unwrap_or_default(),
+            ));
+        }
+        if self.two_phase {
+            found.push(SlotProblem::TwoPhase);
+        }
+        if self.wal_status.as_deref() == Some("lost") {
+            found.push(SlotProblem::Lost);
+        }
+        if let Some(pid) = self.active_pid {
+            found.push(SlotProblem::Busy(pid));
+        }
+        if self.confirmed_flush_lsn.is_none() {
+            found.push(SlotProblem::NoPosition);
+        }
+        found
+    }
+}
+
+impl SlotProblem {
+    /// What is wrong and what to do, after the slot's name.
+    pub fn text(&self, slot: &str) -> String {
+        match self {
+            SlotProblem::Missing => "does not exist (postgres.slot): on a first start, create it \
+                 with `outbox-relay setup`; if it existed and was dropped (or the database failed \
+                 over to a standby, which PostgreSQL before 17 does not give the slot), run \
+                 `outbox-relay recover` to recreate it and re-publish the outbox rows written \
+                 since the last checkpoint, or set postgres.on_slot_lost = \"recover\" to have \
+                 `run` do it"
+                .to_owned(),
+            SlotProblem::Plugin(plugin) => format!(
+                "uses plugin {plugin:?}, not pgoutput: drop it \
+                 (SELECT pg_drop_replication_slot('{slot}')) and run `outbox-relay setup`, or \
+                 choose another postgres.slot"
+            ),
+            SlotProblem::OtherDatabase(db) => format!(
+                "belongs to database {db:?}, not the one postgres.url names: use a slot of this \
+                 database (postgres.slot), or fix the database in postgres.url"
+            ),
+            SlotProblem::TwoPhase => format!(
+                "was created with two-phase decoding, which would stream prepared transactions \
+                 before they commit: drop it (SELECT pg_drop_replication_slot('{slot}')) and run \
+                 `outbox-relay setup`"
+            ),
+            SlotProblem::Lost => "is invalidated (wal_status = lost): the WAL it needed was \
+                 removed, so events committed since its last confirmed position cannot be \
+                 replayed from WAL; run `outbox-relay recover` to recreate the slot and \
+                 re-publish the outbox rows written since the last checkpoint (`--dry-run` shows \
+                 them first)"
+                .to_owned(),
+            SlotProblem::Busy(pid) => format!(
+                "is active (pid {pid}): another relay is streaming from it; a second `run` waits \
+                 until it stops"
+            ),
+            SlotProblem::NoPosition => {
+                "has no confirmed_flush_lsn: is it a logical slot? Drop it and run `outbox-relay \
+                 setup`, or choose another postgres.slot"
+                    .to_owned()
+            }
+        }
+    }
+
+    /// What `run` does about it: recover (a lost slot), wait (a busy
+    /// one), or stop naming the fix.
+    pub fn error(&self, slot: &str) -> SourceError {
+        let text = format!("replication slot {slot:?} {}", self.text(slot));
+        match self {
+            SlotProblem::Missing | SlotProblem::Lost => SourceError::SlotLost(text),
+            SlotProblem::Busy(pid) => SourceError::SlotBusy {
+                slot: slot.to_owned(),
+                pid: *pid,
+            },
+            _ => SourceError::Setup(text),
+        }
+    }
+
+    /// `check` shows it as a warning, not a failure: `run` waits it out.
+    pub fn passes(&self) -> bool {
+        matches!(self, SlotProblem::Busy(_))
+    }
+}
+
 /// Checks the slot is usable for `run` and returns its confirmed position.
 pub async fn usable_slot(client: &Client, cfg: &Config) -> Result<Lsn, SourceError> {
     let slot = &cfg.postgres.slot;
-    let info = slot_info(client, cfg).await?.ok_or_else(|| {
-        SourceError::SlotLost(format!(
-            "replication slot {slot:?} does not exist (postgres.slot): on a first start, create it with \
-             `outbox-relay setup`; if it existed and was dropped (or the database failed over to a \
-             standby, which PostgreSQL before 17 does not give the slot), run `outbox-relay recover` \
-             to recreate it and re-publish the outbox rows written since the last checkpoint, or set \
-             postgres.on_slot_lost = \"recover\" to have `run` do it"
-        ))
-    })?;
-    if info.plugin.as_deref() != Some("pgoutput") {
-        return Err(SourceError::Setup(format!(
-            "replication slot {slot:?} uses plugin {:?}, not pgoutput; drop it and run `outbox-relay setup`",
-            info.plugin.unwrap_or_default()
-        )));
+    let info = slot_info(client, cfg).await?;
+    let first = match &info {
+        None => Some(SlotProblem::Missing),
+        Some(info) => info.problems().into_iter().next(),
+    };
+    match (first, info.and_then(|i| i.confirmed_flush_lsn)) {
+        (None, Some(lsn)) => Ok(lsn),
+        (Some(problem), _) => Err(problem.error(slot)),
+        (None, None) => Err(SlotProblem::NoPosition.error(slot)),
     }
-    if !info.in_this_database {
-        return Err(SourceError::Setup(format!(
-            "replication slot {slot:?} belongs to database {:?}, not the one postgres.url names; \
-             use a slot of this database (postgres.slot), or fix the database in postgres.url",
-            info.database.unwrap_or_default()
-        )));
-    }
-    if info.two_phase {
-        return Err(SourceError::Setup(format!(
-            "replication slot {slot:?} was created with two-phase decoding, which would stream \
-             prepared transactions before they commit; drop it \
-             (SELECT pg_drop_replication_slot('{slot}')) and run `outbox-relay setup`"
-        )));
-    }
-    if info.wal_status.as_deref() == Some("lost") {
-        return Err(SourceError::SlotLost(format!(
-            "replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed. \
-             Events committed since its last confirmed position cannot be replayed from WAL; \
-             run `outbox-relay recover` to recreate the slot and re-publish the outbox rows written since \
-             the last checkpoint (`--dry-run` shows them first)"
-        )));
-    }
-    if let Some(pid) = info.active_pid {
-        return Err(SourceError::SlotBusy {
-            slot: slot.clone(),
-            pid,
-        });
-    }
-    info.confirmed_flush_lsn.ok_or_else(|| {
-        SourceError::Setup(format!(
-            "replication slot {slot:?} has no confirmed_flush_lsn; is it a logical slot?"
-        ))
-    })
 }
 
 /// How `setup` (and `recover`) make the slot on a server of
@@ -536,6 +610,63 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn healthy() -> SlotInfo {
+        SlotInfo {
+            plugin: Some("pgoutput".into()),
+            confirmed_flush_lsn: Some(Lsn(16)),
+            restart_lsn: Some(Lsn(8)),
+            wal_status: Some("reserved".into()),
+            active_pid: None,
+            database: Some("app".into()),
+            in_this_database: true,
+            two_phase: false,
+        }
+    }
+
+    /// One verdict for `run` and `check`: every problem, in the order
+    /// `run` meets them, and what `run` does about each.
+    #[test]
+    fn the_slot_verdict_lists_every_problem_in_order() {
+        assert_eq!(healthy().problems(), vec![]);
+        let mut bad = healthy();
+        bad.plugin = Some("test_decoding".into());
+        bad.in_this_database = false;
+        bad.database = Some("other".into());
+        bad.two_phase = true;
+        bad.wal_status = Some("lost".into());
+        bad.active_pid = Some(42);
+        bad.confirmed_flush_lsn = None;
+        assert_eq!(
+            bad.problems(),
+            vec![
+                SlotProblem::Plugin("test_decoding".into()),
+                SlotProblem::OtherDatabase("other".into()),
+                SlotProblem::TwoPhase,
+                SlotProblem::Lost,
+                SlotProblem::Busy(42),
+                SlotProblem::NoPosition,
+            ]
+        );
+        // run: a lost or missing slot is recovered (or names `recover`),
+        // a busy one waited for, the rest stop naming the fix.
+        assert!(matches!(
+            SlotProblem::Missing.error("s"),
+            SourceError::SlotLost(_)
+        ));
+        assert!(matches!(
+            SlotProblem::Lost.error("s"),
+            SourceError::SlotLost(_)
+        ));
+        let busy = SlotProblem::Busy(42).error("s");
+        assert!(matches!(busy, SourceError::SlotBusy { pid: 42, .. }) && busy.is_transient());
+        let e = SlotProblem::TwoPhase.error("s");
+        assert!(matches!(&e, SourceError::Setup(t) if t.contains("pg_drop_replication_slot('s')")));
+        assert!(!e.is_transient());
+        // check: only the busy slot passes (a warning).
+        let passing: Vec<bool> = bad.problems().iter().map(SlotProblem::passes).collect();
+        assert_eq!(passing, [false, false, false, false, true, false]);
+    }
 
     /// This machine has PostgreSQL 15 only: the 17+ branch is shown here.
     #[test]
