@@ -175,9 +175,9 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
     }
     let mut any_partitioned = false;
     for (_, t) in &tables {
-        let partitioned =
-            publication_covers(client, pg, &pub_q, t, via_root, &mut problems).await?;
-        any_partitioned |= partitioned;
+        let covers = publication_covers(client, pg, &pub_q, t, via_root).await?;
+        any_partitioned |= covers.partitioned;
+        problems.extend(covers.problems);
     }
     // Anything else it publishes would stop the relay at its first INSERT.
     let schemas: Vec<&str> = tables.iter().map(|(_, t)| t.schema.as_str()).collect();
@@ -228,17 +228,24 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
     Ok(lines)
 }
 
+/// The publication's hold on one outbox table (see [`publication_covers`]).
+pub(super) struct Covers {
+    /// The table is partitioned.
+    pub partitioned: bool,
+    /// What is wrong, each naming its fix.
+    pub problems: Vec<String>,
+}
+
 /// The publication's hold on one outbox table: covered, whole rows (no
-/// row filter, no column list: the rule `run` applies). Returns whether
-/// the table is partitioned.
+/// row filter, no column list: the rule `run` applies).
 pub(super) async fn publication_covers(
     client: &Client,
     pg: &crate::config::PostgresConfig,
     pub_q: &str,
     t: &TableName,
     via_root: bool,
-    problems: &mut Vec<String>,
-) -> Result<bool, CheckError> {
+) -> Result<Covers, CheckError> {
+    let mut problems = Vec::new();
     let covered = client
         .query_opt(
             "SELECT 1 FROM pg_publication_tables \
@@ -274,7 +281,10 @@ pub(super) async fn publication_covers(
             problems.extend(partial);
         }
     }
-    Ok(partitioned)
+    Ok(Covers {
+        partitioned,
+        problems,
+    })
 }
 
 pub(super) async fn outbox_table(
