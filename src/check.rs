@@ -233,19 +233,24 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
 
     // RabbitMQ: every node of the list. With several, one that does not
     // answer is a warning as long as another does (the relay moves on).
-    let mut conn: Option<AmqpSink> = None;
+    // The exchanges are looked for on the first node that answers, at
+    // once: the client sends heartbeats only while it is read, so a
+    // connection left idle while other nodes time out could be closed by
+    // the broker, and every exchange then look unchecked.
+    let mut exchange_lines: Option<Vec<Line>> = None;
     let mut node_lines = Vec::new();
     for (node, url) in cfg.rabbitmq.urls.iter().enumerate() {
         let (line, c) = broker_connect(cfg, node).await;
         node_lines.push(line);
         node_lines.extend(broker_in_the_clear(url.expose()));
-        match (c, &conn) {
-            (Some(c), None) => conn = Some(c),
-            (Some(c), Some(_)) => close(c).await,
-            (None, _) => {}
+        if let Some(mut c) = c {
+            if exchange_lines.is_none() {
+                exchange_lines = Some(exchanges(cfg, &mut c).await);
+            }
+            close(c).await;
         }
     }
-    if conn.is_some() && node_lines.len() > 1 {
+    if exchange_lines.is_some() && node_lines.len() > 1 {
         for line in &mut node_lines {
             if line.level == Level::Fail {
                 line.level = Level::Warn;
@@ -253,16 +258,12 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
         }
     }
     push(node_lines);
-    match conn {
-        Some(mut conn) => {
-            push(exchanges(cfg, &mut conn).await);
-            close(conn).await;
-        }
-        None => push(vec![Line::warn(
+    push(exchange_lines.unwrap_or_else(|| {
+        vec![Line::warn(
             "RabbitMQ checks skipped",
             "the exchange and the dead-letter exchange were not checked because RabbitMQ is not reachable",
-        )]),
-    }
+        )]
+    }));
     lines
 }
 

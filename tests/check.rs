@@ -793,3 +793,34 @@ fn a_server_asking_for_a_cleartext_password_gets_nothing() {
         "a password was sent: {answers:?}"
     );
 }
+
+/// The exchanges are looked for on the first node that answers, before
+/// the next node is tried: the client sends heartbeats only while it is
+/// read, so a first connection left idle while a silent second node takes
+/// `check`'s whole timeout would be closed by the broker (heartbeat 2 s),
+/// and every exchange reported unchecked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_second_node_does_not_cost_the_exchange_checks() {
+    // Takes connections (the kernel's backlog) and never speaks.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let good = format!("{}?heartbeat=2", amqp_url());
+    let mute = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    let fx = Fixture::on_servers("chk_silent", &pg_url(), &[good, mute]).await;
+    let c = check(&fx, &[]);
+    assert!(
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with(&format!("ok exchange {:?}: exists", fx.exchange))),
+        "{c}"
+    );
+    // The silent node is said, as a warning: the other answered.
+    assert!(
+        c.lines().iter().any(|l| l.starts_with("warn RabbitMQ reachable at")
+            && l.contains(&port.to_string())),
+        "{c}"
+    );
+    assert_eq!(c.code, Some(0), "{c}");
+    drop(silent);
+    fx.cleanup().await;
+}

@@ -99,6 +99,10 @@ pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<A
 
 pub(super) async fn exchanges(cfg: &Config, sink: &mut AmqpSink) -> Vec<Line> {
     let mut lines = Vec::new();
+    let mut looking = Looking {
+        sink,
+        unanswered: None,
+    };
     // Each exchange once, whichever outboxes share it.
     let mut seen: Vec<String> = Vec::new();
     let mut once = |name: String| {
@@ -118,7 +122,7 @@ pub(super) async fn exchanges(cfg: &Config, sink: &mut AmqpSink) -> Vec<Line> {
                 "the default exchange always exists",
             )),
             Some(name) if once(name.to_owned()) => {
-                lines.push(exchange(sink, name, "exchange", &key).await);
+                lines.push(looking.exchange(name, "exchange", &key).await);
             }
             Some(_) => {}
             None => {
@@ -152,41 +156,60 @@ pub(super) async fn exchanges(cfg: &Config, sink: &mut AmqpSink) -> Vec<Line> {
             } else {
                 "rabbitmq.dead_letter_exchange".to_owned()
             };
-            lines.push(exchange(sink, dlx, "dead-letter exchange", &key).await);
+            lines.push(looking.exchange(dlx, "dead-letter exchange", &key).await);
         }
     }
     lines
 }
 
-/// Passive declare of `name` (on a channel of its own: a failed passive
-/// declare closes the channel it ran on).
-pub(super) async fn exchange(sink: &mut AmqpSink, name: &str, role: &str, key: &str) -> Line {
-    let what = format!("{role} {name:?}");
-    let res = tokio::time::timeout(CHECK_TIMEOUT, sink.check_exchange(name)).await;
-    match res {
-        Ok(Ok(())) => Line::ok(what, "exists"),
-        Ok(Err(SinkError::NoExchange(_))) => Line::fail(
-            what,
-            format!(
-                "does not exist on the broker ({key}): declare it (e.g. a durable topic \
+/// Exchanges looked for on one connection.
+struct Looking<'a> {
+    sink: &'a mut AmqpSink,
+    /// A check that got no answer leaves its question out on the
+    /// connection: the next would be refused for it, so none is asked.
+    unanswered: Option<String>,
+}
+
+impl Looking<'_> {
+    /// Passive declare of `name` (on a channel of its own: a failed
+    /// passive declare closes the channel it ran on).
+    async fn exchange(&mut self, name: &str, role: &str, key: &str) -> Line {
+        let what = format!("{role} {name:?}");
+        if let Some(earlier) = self.unanswered.as_deref() {
+            return Line::fail(
+                what,
+                format!("could not be checked: the broker did not answer the check of {earlier:?}"),
+            );
+        }
+        let res = tokio::time::timeout(CHECK_TIMEOUT, self.sink.check_exchange(name)).await;
+        match res {
+            Ok(Ok(())) => Line::ok(what, "exists"),
+            Ok(Err(SinkError::NoExchange(_))) => Line::fail(
+                what,
+                format!(
+                    "does not exist on the broker ({key}): declare it (e.g. a durable topic \
                  exchange), or fix {key}"
+                ),
             ),
-        ),
-        Ok(Err(SinkError::Amqp {
-            source: WireError::ChannelClosed { code: 403, text },
-            ..
-        })) => Line::fail(
-            what,
-            format!("access refused ({text}): grant the user permissions on it, or fix {key}"),
-        ),
-        Ok(Err(SinkError::Timeout(_))) | Err(_) => Line::fail(
-            what,
-            format!(
-                "could not be checked: no answer within {} s",
-                CHECK_TIMEOUT.as_secs()
+            Ok(Err(SinkError::Amqp {
+                source: WireError::ChannelClosed { code: 403, text },
+                ..
+            })) => Line::fail(
+                what,
+                format!("access refused ({text}): grant the user permissions on it, or fix {key}"),
             ),
-        ),
-        Ok(Err(e)) => Line::fail(what, format!("could not be checked: {e}")),
+            Ok(Err(SinkError::Timeout(_))) | Err(_) => {
+                self.unanswered = Some(name.to_owned());
+                Line::fail(
+                    what,
+                    format!(
+                        "could not be checked: no answer within {} s",
+                        CHECK_TIMEOUT.as_secs()
+                    ),
+                )
+            }
+            Ok(Err(e)) => Line::fail(what, format!("could not be checked: {e}")),
+        }
     }
 }
 
