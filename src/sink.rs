@@ -169,6 +169,64 @@ pub struct AmqpSink {
     node: usize,
 }
 
+/// What the publishing policy ([`publisher`]: the window, retries, dead
+/// letters, refusals) needs of a connection to the broker: the seam between
+/// the policy and the wire. [`AmqpSink`] is the real one; the publisher's
+/// tests drive the policy against a recording fake that scripts answers
+/// and faults (`publisher/fake.rs`). The scripted TCP broker
+/// (`wire/scripted.rs`) stays for what only the wire can show.
+pub trait Broker {
+    /// Queues a message on the publishing channel; its delivery tag.
+    fn publish(&mut self, env: Envelope) -> Result<u64, SinkError>;
+    /// Queues a message encoded straight from a row; its delivery tag.
+    fn publish_view(&mut self, m: &MessageView<'_>) -> Result<u64, SinkError>;
+    /// Queues a passive declare of `exchange`; the answer comes from
+    /// [`Broker::answer`] as [`Event::Exchange`].
+    fn look_for(&mut self, exchange: &str) -> Result<(), SinkError>;
+    /// The next answer, writing what is queued meanwhile.
+    fn answer(&mut self) -> impl Future<Output = Result<Event, SinkError>> + Send;
+    /// Opens the publishing channel again after the broker closed it.
+    fn reopen(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;
+    /// The broker blocked publishing (a resource alarm).
+    fn is_blocked(&self) -> bool;
+    /// The publishing channel is open.
+    fn publishing_open(&self) -> bool;
+    /// The write buffer is backed up: publish no more until it drains.
+    fn wants_flush(&self) -> bool;
+    /// The largest frame the broker takes.
+    fn frame_max(&self) -> u32;
+}
+
+impl Broker for AmqpSink {
+    fn publish(&mut self, env: Envelope) -> Result<u64, SinkError> {
+        AmqpSink::publish(self, env)
+    }
+    fn publish_view(&mut self, m: &MessageView<'_>) -> Result<u64, SinkError> {
+        AmqpSink::publish_view(self, m)
+    }
+    fn look_for(&mut self, exchange: &str) -> Result<(), SinkError> {
+        AmqpSink::look_for(self, exchange)
+    }
+    fn answer(&mut self) -> impl Future<Output = Result<Event, SinkError>> + Send {
+        AmqpSink::answer(self)
+    }
+    fn reopen(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send {
+        AmqpSink::reopen(self)
+    }
+    fn is_blocked(&self) -> bool {
+        AmqpSink::is_blocked(self)
+    }
+    fn publishing_open(&self) -> bool {
+        AmqpSink::publishing_open(self)
+    }
+    fn wants_flush(&self) -> bool {
+        AmqpSink::wants_flush(self)
+    }
+    fn frame_max(&self) -> u32 {
+        AmqpSink::frame_max(self)
+    }
+}
+
 impl AmqpSink {
     /// Connects to the first node of `rabbitmq.url` that answers, in the
     /// order `nodes` gives, opens the publishing channel in confirm mode,

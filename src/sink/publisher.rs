@@ -23,7 +23,7 @@ use super::refused::{self, Refusal, RefusedExchanges};
 use super::replies::Disposition;
 use super::unconfirmed::Unconfirmed;
 use super::wire::{Event, Found};
-use super::{AmqpSink, SinkError};
+use super::{Broker, SinkError};
 use crate::checkpoint::{Checkpoint, CheckpointError, Progress};
 use crate::config::RabbitmqConfig;
 use crate::handoff::{ByteBudget, Item};
@@ -37,6 +37,8 @@ use prometheus_client::metrics::counter::Counter;
 use crate::metrics::{Metrics, Outcome, OutcomeLabel};
 use crate::outbox::OutboxEvent;
 
+#[cfg(test)]
+mod fake;
 mod inflight;
 mod settle;
 use inflight::{
@@ -199,7 +201,7 @@ impl<'a> Publisher<'a> {
     /// `bytes`: the row's size ([`OutboxEvent::bytes`]), measured once.
     fn publish_event(
         &mut self,
-        sink: &mut AmqpSink,
+        sink: &mut impl Broker,
         ev: OutboxEvent,
         bytes: usize,
     ) -> Result<(), PublishError> {
@@ -223,7 +225,7 @@ impl<'a> Publisher<'a> {
     /// exchange has been looked for (`verify`).
     fn send_event(
         &mut self,
-        sink: &mut AmqpSink,
+        sink: &mut impl Broker,
         mut f: InFlight,
         verify: Verify,
     ) -> Result<(), PublishError> {
@@ -287,7 +289,7 @@ impl<'a> Publisher<'a> {
     /// the broker has said whether its exchange exists, else asks (a
     /// passive declare on the control channel, answered among the
     /// confirms: nothing waits for it).
-    fn release(&mut self, sink: &mut AmqpSink) -> Result<(), PublishError> {
+    fn release(&mut self, sink: &mut impl Broker) -> Result<(), PublishError> {
         let (f, exchange) = self.held_back.take().expect("called when held back");
         if self.answered(&exchange) {
             return self.send_event(sink, f, Verify::First);
@@ -328,7 +330,7 @@ impl<'a> Publisher<'a> {
     /// name. Anything else ends the session.
     async fn route_around(
         &mut self,
-        sink: &mut AmqpSink,
+        sink: &mut impl Broker,
         e: SinkError,
     ) -> Result<(), PublishError> {
         let (exchange, refusal) = match e.disposition() {
@@ -450,7 +452,7 @@ impl<'a> Publisher<'a> {
     /// answer).
     fn launch(
         &mut self,
-        sink: &mut AmqpSink,
+        sink: &mut impl Broker,
         mut f: InFlight,
         env: Envelope,
     ) -> Result<(), PublishError> {
@@ -484,7 +486,7 @@ impl<'a> Publisher<'a> {
     }
 
     /// A new item from the source, in WAL order.
-    fn on_item(&mut self, sink: &mut AmqpSink, item: Item) -> Result<(), PublishError> {
+    fn on_item(&mut self, sink: &mut impl Broker, item: Item) -> Result<(), PublishError> {
         match item {
             Item::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
             Item::Event(ev) => {
@@ -561,8 +563,8 @@ pub struct Failed {
 /// One task drives the connection: publishes are queued into its write
 /// buffer a batch at a time (whatever the source has ready, up to
 /// `BATCH`) and written in one go while the loop waits for answers.
-pub async fn run(
-    sink: &mut AmqpSink,
+pub async fn run<S: Broker>(
+    sink: &mut S,
     mut items: mpsc::Receiver<Item>,
     watermark: &watch::Sender<Progress>,
     Publishing {
@@ -655,7 +657,7 @@ pub async fn run(
             // Room for more: within the window's count and bytes (one message
             // always goes, however large), and the write buffer not backed up
             // (the broker applying TCP flow control).
-            let room = |p: &Publisher<'_>, sink: &AmqpSink, open: bool| {
+            let room = |p: &Publisher<'_>, sink: &S, open: bool| {
                 let window = if p.sent < p.refusals.careful_for {
                     1
                 } else {

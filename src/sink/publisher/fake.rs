@@ -1,0 +1,242 @@
+//! The publishing policy in process, against a recording fake of the
+//! broker ([`Broker`]): what it publishes, in which order, and what it
+//! reports, for answers and faults the test scripts. What only the wire can
+//! show (frames, the handshake, closes) stays with the scripted TCP broker
+//! (`wire/scripted.rs`).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::Progress;
+use crate::config::Config;
+use crate::handoff::{ByteBudget, Item};
+use crate::lsn::Lsn;
+use crate::message::{Envelope, MessageView};
+use crate::outbox::{Mapping, OutboxEvent};
+use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
+use crate::sink::publisher::{self, Publishing};
+use crate::sink::refusals::Refusals;
+use crate::sink::wire::Event;
+use crate::sink::{Broker, SinkError};
+
+/// What the fake answers one publish with (the script sees each publish:
+/// its message id, and how many times that id was published before).
+type Script = Box<dyn FnMut(&str, usize) -> Answer + Send>;
+
+/// The fake's answer to one publish.
+enum Answer {
+    Ack,
+    Nack,
+    /// No answer (yet): the window stays taken.
+    Silent,
+}
+
+/// Records every publish; answers as the script says.
+struct Fake {
+    /// Message ids in the order published (a retry appears again).
+    published: Vec<String>,
+    answers: VecDeque<Event>,
+    script: Script,
+    next_tag: u64,
+}
+
+impl Fake {
+    fn new(script: Script) -> Fake {
+        Fake {
+            published: Vec::new(),
+            answers: VecDeque::new(),
+            script,
+            next_tag: 1,
+        }
+    }
+
+    fn record(&mut self, id: &str) -> u64 {
+        let before = self.published.iter().filter(|p| *p == id).count();
+        self.published.push(id.to_owned());
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        match (self.script)(id, before) {
+            Answer::Ack => self.answers.push_back(Event::Ack {
+                tag,
+                multiple: false,
+            }),
+            Answer::Nack => self.answers.push_back(Event::Nack {
+                tag,
+                multiple: false,
+            }),
+            Answer::Silent => {}
+        }
+        tag
+    }
+}
+
+impl Broker for Fake {
+    fn publish(&mut self, env: Envelope) -> Result<u64, SinkError> {
+        let id = env.properties.message_id().clone().map(|s| s.to_string());
+        Ok(self.record(&id.unwrap_or_default()))
+    }
+    fn publish_view(&mut self, m: &MessageView<'_>) -> Result<u64, SinkError> {
+        Ok(self.record(m.message_id))
+    }
+    fn look_for(&mut self, _exchange: &str) -> Result<(), SinkError> {
+        unreachable!("the tests' exchange is literal")
+    }
+    async fn answer(&mut self) -> Result<Event, SinkError> {
+        match self.answers.pop_front() {
+            Some(ev) => Ok(ev),
+            None => std::future::pending().await,
+        }
+    }
+    async fn reopen(&mut self) -> Result<(), SinkError> {
+        Ok(())
+    }
+    fn is_blocked(&self) -> bool {
+        false
+    }
+    fn publishing_open(&self) -> bool {
+        true
+    }
+    fn wants_flush(&self) -> bool {
+        false
+    }
+    fn frame_max(&self) -> u32 {
+        131_072
+    }
+}
+
+fn config(window: usize) -> Config {
+    let toml = format!(
+        "[postgres]\nurl = \"postgres://u@h/db\"\n[outbox]\ntable = \"public.outbox\"\n\
+         [rabbitmq]\nurl = \"amqp://u:p@127.0.0.1:1/v\"\nexchange = \"ex\"\nwindow = {window}\n"
+    );
+    Config::from_toml(&toml, "test.toml", Vec::new()).unwrap()
+}
+
+/// One transaction of `ids`, ending at LSN 100.
+fn transaction(cfg: &Config, ids: &[&str]) -> Vec<Item> {
+    let columns = [
+        "id",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "payload",
+    ];
+    let rel = Relation {
+        id: 1,
+        namespace: "public".into(),
+        name: "outbox".into(),
+        replica_identity: b'd',
+        columns: (columns.iter())
+            .map(|n| Column {
+                flags: 0,
+                name: (*n).into(),
+                type_oid: 25,
+                type_modifier: -1,
+            })
+            .collect(),
+    };
+    let mapping = Mapping::new(&rel, &cfg.outboxes[0]).map(Arc::new);
+    let text = |v: &str| ColumnValue::Text(bytes::Bytes::from(v.to_owned()));
+    let mut items = vec![Item::Begin { commit_time_us: 0 }];
+    for id in ids {
+        items.push(Item::Event(OutboxEvent {
+            tuple: TupleData(vec![text(id), text("a"), text("1"), text("e"), text("{}")].into()),
+            mapping: mapping.clone(),
+            commit_time_us: 0,
+            outbox: 0,
+        }));
+    }
+    items.push(Item::Commit { end_lsn: Lsn(100) });
+    items
+}
+
+/// Runs the publisher over `items` against `fake` until the input is
+/// drained (or `within` passes); the fake and the position reported.
+async fn publish(
+    cfg: &Config,
+    items: Vec<Item>,
+    mut fake: Fake,
+    within: Duration,
+) -> (Fake, Lsn, Result<(), publisher::Failed>) {
+    let (tx, rx) = mpsc::channel(items.len().max(1));
+    for item in items {
+        tx.try_send(item).unwrap();
+    }
+    drop(tx);
+    let (wm, wm_rx) = watch::channel(Progress {
+        lsn: Lsn(1),
+        commit_time_us: None,
+    });
+    let (mut refusals, budget) = (Refusals::default(), ByteBudget::default());
+    let metrics = crate::metrics::Metrics::new();
+    let stop = CancellationToken::new();
+    let dead_letters = cfg.dead_letters();
+    let run = publisher::run(
+        &mut fake,
+        rx,
+        &wm,
+        Publishing {
+            cfg: &cfg.rabbitmq,
+            dead_letters: &dead_letters,
+            refusals: &mut refusals,
+            budget: &budget,
+            start: Lsn(1),
+            metrics: &metrics,
+        },
+        &stop,
+    );
+    let r = match tokio::time::timeout(within, run).await {
+        Ok(r) => r,
+        Err(_) => Ok(()),
+    };
+    let lsn = wm_rx.borrow().lsn;
+    (fake, lsn, r)
+}
+
+/// A nacked message is published again (after its delay), and the
+/// transaction is reported only once every message of it is confirmed.
+#[tokio::test(start_paused = true)]
+async fn a_nacked_message_is_published_again_and_its_transaction_waits_for_it() {
+    let cfg = config(16);
+    let fake = Fake::new(Box::new(|id, before| match (id, before) {
+        ("m1", 0) => Answer::Nack,
+        _ => Answer::Ack,
+    }));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(60)).await;
+    assert!(r.is_ok(), "{:?}", r.err().map(|f| f.error.to_string()));
+    assert_eq!(fake.published, ["m0", "m1", "m2", "m1"]);
+    assert_eq!(lsn, Lsn(100), "the transaction is confirmed");
+
+    // Nacked for ever: dead-lettered at last? No dead-letter exchange is
+    // configured, so the relay stops naming the setting, and reports
+    // nothing of the transaction.
+    let fake = Fake::new(Box::new(|id, _| match id {
+        "m1" => Answer::Nack,
+        _ => Answer::Ack,
+    }));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(3600)).await;
+    let e = r
+        .expect_err("a message nacked for ever stops the publisher")
+        .error;
+    assert!(e.to_string().contains("dead_letter_exchange"), "{e}");
+    assert!(fake.published.iter().filter(|p| *p == "m1").count() > 1);
+    assert_eq!(lsn, Lsn(1), "nothing of the transaction is reported");
+}
+
+/// No more than `window` messages wait for an answer: a broker that does
+/// not answer gets no more, and nothing is reported.
+#[tokio::test(start_paused = true)]
+async fn the_window_bounds_what_waits_for_an_answer() {
+    let cfg = config(2);
+    let fake = Fake::new(Box::new(|_, _| Answer::Silent));
+    let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
+    let (fake, lsn, _) = publish(&cfg, items, fake, Duration::from_millis(500)).await;
+    assert_eq!(fake.published, ["m0", "m1"]);
+    assert_eq!(lsn, Lsn(1));
+}
