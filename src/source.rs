@@ -410,6 +410,12 @@ pub async fn start_replication(
     Err(failed.expect("postgres.url names at least one server"))
 }
 
+/// The server's refusal of START_REPLICATION for a slot that does not
+/// exist (`replication slot "x" does not exist`, SQLSTATE 42704).
+fn slot_missing(msg: &str, slot: &str) -> bool {
+    msg.contains(&format!("replication slot \"{slot}\" does not exist"))
+}
+
 async fn open_replication(
     cfg: &PostgresConfig,
     target: &PgTarget,
@@ -513,6 +519,13 @@ async fn open_replication(
                     cfg.sslmode,
                 ))
             }
+            // Dropped since `usable_slot` read it (a drop between the SQL
+            // check and the stream, seen by the checker under load): lost,
+            // as a slot missing at the check is, so that it is recovered
+            // (on_slot_lost = "recover") or the stop names `recover`.
+            pgwire_replication::PgWireError::Server(msg) if slot_missing(msg, &cfg.slot) => {
+                slot::SlotProblem::Missing.error(&cfg.slot)
+            }
             _ => match tls::postgres_wants_tls(&source.to_string(), &shown_url(url), cfg.sslmode) {
                 Some(msg) => SourceError::Setup(msg),
                 None => SourceError::Replication {
@@ -525,5 +538,26 @@ async fn open_replication(
             "opening the replication connection ({})",
             shown_url(url)
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot dropped between the SQL check and START_REPLICATION is lost
+    /// (recovered, or the stop names `recover`), not a failure without a
+    /// remedy; another server error about another slot is not.
+    #[test]
+    fn a_slot_dropped_before_the_stream_opens_is_lost() {
+        let msg = "replication slot \"outbox_relay\" does not exist";
+        assert!(slot_missing(msg, "outbox_relay"));
+        assert!(!slot_missing(msg, "other"));
+        assert!(!slot_missing(
+            "publication \"outbox_relay\" does not exist",
+            "outbox_relay"
+        ));
+        let e = slot::SlotProblem::Missing.error("outbox_relay");
+        assert!(matches!(&e, SourceError::SlotLost(t) if t.contains("outbox-relay recover")));
     }
 }
