@@ -816,8 +816,9 @@ async fn a_silent_second_node_does_not_cost_the_exchange_checks() {
     );
     // The silent node is said, as a warning: the other answered.
     assert!(
-        c.lines().iter().any(|l| l.starts_with("warn RabbitMQ reachable at")
-            && l.contains(&port.to_string())),
+        c.lines()
+            .iter()
+            .any(|l| l.starts_with("warn RabbitMQ reachable at") && l.contains(&port.to_string())),
         "{c}"
     );
     assert_eq!(c.code, Some(0), "{c}");
