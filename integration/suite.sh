@@ -37,7 +37,11 @@ done
 integration/servers.sh install
 cargo test --all-targets --no-run
 cargo build --example consumer
-export TEST_CONSUMER_BIN=$PWD/target/debug/examples/consumer
+# Where cargo put it: CARGO_TARGET_DIR or build.target-dir when set (as
+# the Makefile asks), else target/.
+target_dir=$(cargo metadata --format-version 1 --no-deps |
+    sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+export TEST_CONSUMER_BIN=${target_dir:-$PWD/target}/debug/examples/consumer
 
 # Servers of the caller's own (TEST_PG_URL, TEST_AMQP_URL): one set, so one
 # lane, or one lane's faults would reach the other's tests.
