@@ -16,13 +16,25 @@ use crate::consumer::Consumer;
 use crate::schedule::Fault;
 use crate::world::World;
 
+/// A documented stop and what the operator did about it.
+pub struct Remedy {
+    /// The relay's words and the operator's commands, for the report.
+    pub text: String,
+    /// When the relay that stopped was started.
+    pub started: Instant,
+    pub began: Instant,
+    pub ended: Instant,
+    /// The commands succeeded and included a `republish`.
+    pub republished: bool,
+}
+
 pub struct Supervisor {
     relay: Option<Relay>,
     pub failures: Vec<String>,
     pub peak_rss: u64,
     pub starts: usize,
-    /// What the operator did, for the report.
-    pub remedies: Vec<String>,
+    /// What the operator did.
+    pub remedies: Vec<Remedy>,
     /// When the outbox table was last dropped and created again
     /// (`recreate`), while no remedy begun after it has succeeded.
     owed: Option<Instant>,
@@ -33,9 +45,11 @@ pub struct Supervisor {
     owed_since: Option<String>,
     /// The same, for the last re-creation (answered or not).
     recreated_since: Option<String>,
-    /// Outbox tables re-created (`recreate` that committed): each explains
-    /// one documented stop naming `republish`, never more.
-    pub recreated: usize,
+    /// When outbox tables were re-created (`recreate` that committed, as
+    /// seen just after): each explains the documented stops naming
+    /// `republish` of the relays started before a remedy begun after it
+    /// succeeded (see [`Supervisor::republish_explained`]).
+    pub recreates: Vec<Instant>,
     /// Slots dropped (`drop-slot` that succeeded): each explains one
     /// recovery the relay starts by itself, never more, and only a drop
     /// explains a refusal because a recovery runs.
@@ -72,7 +86,7 @@ impl Supervisor {
             owed: None,
             owed_since: None,
             recreated_since: None,
-            recreated: 0,
+            recreates: Vec::new(),
             dropped: 0,
             order_broken: None,
             disruptions: Vec::new(),
@@ -147,6 +161,19 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// Whether a re-created table explains a stop naming `republish` by
+    /// a relay started at `started`: one re-created before no `republish`
+    /// begun after it had succeeded by then. A relay started later (after
+    /// a plain restart, or once the remedy ran) has nothing to republish:
+    /// its stop would be a defect the remedy hides. Relays started before
+    /// the remedy ended (a spare waiting for the slot, one started beside
+    /// the remedy) stop for the same change, each rightly.
+    pub fn republish_explained(&self, started: Instant) -> bool {
+        self.recreates.iter().any(|&r| {
+            !(self.remedies.iter()).any(|m| m.republished && m.began > r && m.ended < started)
+        })
     }
 
     fn pid(&self) -> Option<u32> {
@@ -360,12 +387,12 @@ pub async fn supervise(
                     // before streaming ...").
                     let out =
                         std::fs::read_to_string(r.log.with_extension("out")).unwrap_or_default();
-                    Some((status, r.log_tail(), tail(&out, 2)))
+                    Some((status, r.log_tail(), tail(&out, 2), r.started))
                 }
                 _ => None,
             }
         };
-        let Some((status, log, out)) = exited else {
+        let Some((status, log, out, started)) = exited else {
             continue;
         };
         let remedy = {
@@ -409,7 +436,13 @@ pub async fn supervise(
                 let mut s = sup.lock().unwrap();
                 s.remedying = None;
                 s.remedied += began.elapsed();
-                s.remedies.push(all.join("; "));
+                s.remedies.push(Remedy {
+                    text: all.join("; "),
+                    started,
+                    began,
+                    ended: Instant::now(),
+                    republished: failed.is_none() && args.iter().any(|a| a[0] == "republish"),
+                });
                 match failed {
                     Some(f) => s
                         .failures
@@ -820,7 +853,7 @@ pub async fn inflict(
             s.owed = Some(Instant::now());
             s.owed_since.get_or_insert_with(|| since.clone());
             s.recreated_since = Some(since);
-            s.recreated += 1;
+            s.recreates.push(Instant::now());
         }
         Fault::AttachPartition => {
             let t = &w.tables[0];
@@ -983,7 +1016,7 @@ async fn operator(w: &World, sup: &Mutex<Supervisor>, args: &[&str]) -> Result<(
     // then says that it did not cover the change (README, guarantee 6a):
     // only a re-creation explains it.
     if args[0] == "republish"
-        && sup.lock().unwrap().recreated > 0
+        && !sup.lock().unwrap().recreates.is_empty()
         && last.contains("the relay refuses to start until")
     {
         eprintln!(

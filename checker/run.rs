@@ -265,12 +265,12 @@ async fn run(s: &Schedule) -> Report {
     // checkpoint cannot be recovered from one: the relay then names
     // `republish --since` (README, "Recovery from LSN checkpoints"), which
     // only such a drop explains.
-    // Each re-created table explains one stop naming `republish`; each
-    // dropped slot, one recovery the relay starts by itself.
+    // A re-created table explains the stops naming `republish` of the
+    // relays started before its remedy ended; each dropped slot, one
+    // recovery the relay starts by itself.
     {
         let sv = sup.lock().unwrap();
         let mut unrecorded = sv.dropped_unrecorded;
-        let mut recreated = sv.recreated;
         let take = |n: &mut usize| {
             let explained = *n > 0;
             *n = n.saturating_sub(1);
@@ -278,11 +278,11 @@ async fn run(s: &Schedule) -> Report {
         };
         for remedy in &sv.remedies {
             // What the relay said, not what the operator's commands did.
-            let said = remedy.split("; operator:").next().unwrap_or_default();
+            let said = remedy.text.split("; operator:").next().unwrap_or_default();
             let ok = if said.contains("no checkpoint recorded for slot") {
                 take(&mut unrecorded)
             } else if said.contains("outbox-relay republish") {
-                take(&mut recreated)
+                sv.republish_explained(remedy.started)
             } else if said.contains("the recovery ended with") {
                 // A pass that ended unfinished by itself: the relay says so
                 // only once confirms are overdue past confirm_timeout_secs
@@ -295,7 +295,8 @@ async fn run(s: &Schedule) -> Report {
             };
             if !ok {
                 report.failures.push(format!(
-                    "a documented stop no fault of this run explains: {remedy}"
+                    "a documented stop no fault of this run explains: {}",
+                    remedy.text
                 ));
             }
         }
@@ -351,7 +352,7 @@ async fn run(s: &Schedule) -> Report {
         ));
     }
     report.relay_starts = sv.starts;
-    report.remedies = sv.remedies;
+    report.remedies = sv.remedies.into_iter().map(|r| r.text).collect();
     consumer.stop();
     // Leave the servers as found: a failed run must not poison the next.
     ctl_async(

@@ -313,7 +313,11 @@ listen = "127.0.0.1:0"
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("starting the relay");
-        Relay { child, log }
+        Relay {
+            child,
+            log,
+            started: std::time::Instant::now(),
+        }
     }
 
     /// Drops what the run made (the observer slot included).

@@ -308,7 +308,11 @@ listen = "127.0.0.1:0"
             .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
             .spawn()
             .expect("starting the relay");
-        Relay { child, log }
+        Relay {
+            child,
+            log,
+            started: std::time::Instant::now(),
+        }
     }
 
     /// Inserts one event in its own transaction.

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 pub struct Relay {
     pub child: Child,
     pub log: PathBuf,
+    /// When it was started.
+    pub started: Instant,
 }
 
 impl Relay {
