@@ -126,6 +126,17 @@ struct Publisher<'a> {
     held: usize,
     /// The input queue's byte budget, given back as items are taken.
     budget: &'a ByteBudget,
+    /// A stop asked for (a signal): what is outstanding gets the grace
+    /// period.
+    stop: &'a CancellationToken,
+    /// Input is still taken.
+    open: bool,
+    /// When the grace period ends, once a stop started it.
+    drain_deadline: Option<Instant>,
+    /// The broker blocks publishing, as last said.
+    blocked: bool,
+    /// The gauges' and the confirm deadline's once a second.
+    gauges: tokio::time::Interval,
 }
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
@@ -585,6 +596,10 @@ pub async fn run<S: Broker>(
             .get_or_create(&OutcomeLabel { outcome })
             .clone()
     };
+    // A session starts unblocked (the broker says `connection.blocked` anew
+    // on a connection that must wait), whatever the last one ended in: a
+    // gauge left at 1 would keep `/readyz` at 503 and the alert firing.
+    metrics.blocked.set(0);
     let mut p = Publisher {
         published: outcome(Outcome::published),
         dead_lettered: outcome(Outcome::dead_lettered),
@@ -605,155 +620,13 @@ pub async fn run<S: Broker>(
         sent: 0,
         held: 0,
         budget,
+        stop,
+        open: true,
+        drain_deadline: None,
+        blocked: false,
+        gauges: tokio::time::interval(Duration::from_secs(1)),
     };
-    let full_window = cfg.window as u64;
-    let mut open = true;
-    let mut drain_deadline: Option<Instant> = None;
-    // A session starts unblocked (the broker says `connection.blocked` anew
-    // on a connection that must wait), whatever the last one ended in: a
-    // gauge left at 1 would keep `/readyz` at 503 and the alert firing.
-    let mut blocked_logged = false;
-    metrics.blocked.set(0);
-    let mut gauges = tokio::time::interval(Duration::from_secs(1));
-    // Input ends for a stop (a signal): outstanding confirms get the
-    // shutdown grace period. It ends by itself (a recovery handed over its
-    // last row, the stream failed): they are waited for, as any confirm is,
-    // within `rabbitmq.confirm_timeout_secs` of the broker being free to
-    // answer; a stop asked for meanwhile starts the grace period.
-    let closing = |p: &Publisher<'_>| {
-        if !stop.is_cancelled() {
-            if p.cp.in_flight() > 0 {
-                info!(
-                    in_flight = p.cp.in_flight(),
-                    "input ended; waiting for outstanding confirms"
-                );
-            }
-            return None;
-        }
-        if p.cp.in_flight() > 0 {
-            info!(
-                in_flight = p.cp.in_flight(),
-                grace_secs = cfg.shutdown_grace.as_secs(),
-                "waiting for outstanding confirms"
-            );
-        }
-        Some(Instant::now() + cfg.shutdown_grace)
-    };
-    let r: Result<(), PublishError> = async {
-        loop {
-            if !open && p.cp.in_flight() == 0 {
-                return Ok(());
-            }
-            let blocked = sink.is_blocked();
-            if blocked != blocked_logged {
-                if blocked {
-                    warn!("broker blocked publishing (resource alarm); pausing WAL reading");
-                } else {
-                    info!("broker unblocked publishing; resuming");
-                }
-                metrics.blocked.set(i64::from(blocked));
-                blocked_logged = blocked;
-            }
-            // Room for more: within the window's count and bytes (one message
-            // always goes, however large), and the write buffer not backed up
-            // (the broker applying TCP flow control).
-            let room = |p: &Publisher<'_>, sink: &S, open: bool| {
-                let window = if p.sent < p.refusals.careful_for {
-                    1
-                } else {
-                    full_window
-                };
-                open && !blocked
-                    && p.held_back.is_none()
-                    && p.cp.in_flight() < window
-                    && (p.held < cfg.window_bytes || p.cp.in_flight() == 0)
-                    // One message left unanswered while the rest are
-                    // confirmed must not grow the tag list without bound:
-                    // publishing pauses, and the confirm deadline ends it.
-                    && p.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
-                    && !sink.wants_flush()
-            };
-            // Priorities: broker answers first (they free the window and move
-            // the watermark; waiting for them writes what is queued), then due
-            // retries, then new WAL.
-            tokio::select! {
-                biased;
-                // Once a second, first: it must not starve behind a
-                // stream of answers (the confirm deadline, the gauges).
-                _ = gauges.tick() => {
-                    p.update_gauges(items.len());
-                    // A passive declare's answer is due as a confirm is.
-                    let confirm = p.unconfirmed.oldest().map(|f| f.published_at);
-                    let oldest = match (confirm, p.looking_since) {
-                        (Some(c), Some(l)) => Some(c.min(l)),
-                        (c, l) => c.or(l),
-                    };
-                    if p.clock.overdue(oldest, blocked, cfg.confirm_timeout) {
-                        if oldest == p.looking_since {
-                            return Err(SinkError::Timeout("checking a templated exchange").into());
-                        }
-                        return Err(SinkError::ConfirmTimeout {
-                            in_flight: p.unconfirmed.len() as u64,
-                            secs: cfg.confirm_timeout.as_secs(),
-                        }
-                        .into());
-                    }
-                }
-                ev = sink.answer() => match ev {
-                    Ok(Event::Exchange { name, found }) => p.on_found(name, found),
-                    Ok(ev) => p.on_answer(ev)?,
-                    Err(e) => p.route_around(sink, e).await?,
-                },
-                // An event waits for its exchange to be looked for, or has
-                // its answer. (Not while blocked: the broker reads nothing
-                // from a blocked connection. Not while the publishing
-                // channel is closed: its reopening comes first.)
-                () = std::future::ready(()), if p.held_back.is_some() && p.looking_since.is_none() && !blocked && sink.publishing_open() => {
-                    p.release(sink)?;
-                }
-                Some(f) = p.retries.next(), if !p.retries.is_empty() && !blocked && !sink.wants_flush() => {
-                    let env = f.envelope()?;
-                    p.launch(sink, f, env)?;
-                }
-                item = items.recv(), if room(&p, sink, open) => match item {
-                    None => {
-                        open = false;
-                        drain_deadline = closing(&p);
-                    }
-                    Some(item) => {
-                        p.on_item(sink, item)?;
-                        // Take what else is ready, so it goes out in one write.
-                        for _ in 1..BATCH {
-                            if !room(&p, sink, open) {
-                                break;
-                            }
-                            match items.try_recv() {
-                                Ok(item) => p.on_item(sink, item)?,
-                                Err(TryRecvError::Empty) => break,
-                                Err(TryRecvError::Disconnected) => {
-                                    open = false;
-                                    drain_deadline = closing(&p);
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                },
-                // Shutdown: take no more WAL, give outstanding confirms the grace
-                // period. (While the broker blocks us the item channel is not
-                // read, so its closing cannot be what starts the clock.)
-                _ = stop.cancelled(), if drain_deadline.is_none() => {
-                    open = false;
-                    drain_deadline = closing(&p);
-                }
-                _ = tokio::time::sleep_until(drain_deadline.unwrap_or_else(Instant::now)), if drain_deadline.is_some() => {
-                    warn!(in_flight = p.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
-                    return Ok(());
-                }
-            }
-        }
-    }
-    .await;
+    let r = p.run(sink, &mut items).await;
     // Between sessions nothing is blocked: the next connection is asked anew.
     metrics.blocked.set(0);
     // Which message the session failed with, for the next one to blame
@@ -774,6 +647,185 @@ pub async fn run<S: Broker>(
         error,
         head: head.flatten(),
     })
+}
+
+impl Publisher<'_> {
+    /// The loop: one branch per source of work, by priority.
+    async fn run<S: Broker>(
+        &mut self,
+        sink: &mut S,
+        items: &mut mpsc::Receiver<Item>,
+    ) -> Result<(), PublishError> {
+        loop {
+            if !self.open && self.cp.in_flight() == 0 {
+                return Ok(());
+            }
+            let blocked = self.note_blocked(sink.is_blocked());
+            let room = self.room(sink);
+            tokio::select! {
+                biased;
+                // 1. Once a second, first: it must not starve behind a
+                // stream of answers (the confirm deadline, the gauges).
+                _ = self.gauges.tick() => self.on_tick(items.len())?,
+                // 2. Broker answers: they free the window and move the
+                // watermark (waiting for them writes what is queued).
+                ev = sink.answer() => self.on_broker(sink, ev).await?,
+                // 3. An event waits for its exchange to be looked for, or
+                // has its answer. (Not while blocked: the broker reads
+                // nothing from a blocked connection. Not while the
+                // publishing channel is closed: its reopening comes first.)
+                () = std::future::ready(()), if self.held_back.is_some() && self.looking_since.is_none() && !blocked && sink.publishing_open() => {
+                    self.release(sink)?;
+                }
+                // 4. Retries whose delay is over.
+                Some(f) = self.retries.next(), if !self.retries.is_empty() && !blocked && !sink.wants_flush() => {
+                    let env = f.envelope()?;
+                    self.launch(sink, f, env)?;
+                }
+                // 5. New WAL, while there is room.
+                item = items.recv(), if room => self.on_items(sink, item, items)?,
+                // 6. A stop: no more WAL; outstanding confirms get the
+                // grace period. (While the broker blocks us the item
+                // channel is not read, so its closing cannot be what starts
+                // the clock.)
+                _ = self.stop.cancelled(), if self.drain_deadline.is_none() => self.close(),
+                // 7. The grace period over.
+                _ = tokio::time::sleep_until(self.drain_deadline.unwrap_or_else(Instant::now)), if self.drain_deadline.is_some() => {
+                    warn!(in_flight = self.cp.in_flight(), "shutdown grace period over with unconfirmed messages; they were not reported and will be replayed");
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Whether the broker blocks publishing (a resource alarm), said once
+    /// per change.
+    fn note_blocked(&mut self, blocked: bool) -> bool {
+        if blocked != self.blocked {
+            if blocked {
+                warn!("broker blocked publishing (resource alarm); pausing WAL reading");
+            } else {
+                info!("broker unblocked publishing; resuming");
+            }
+            self.metrics.blocked.set(i64::from(blocked));
+            self.blocked = blocked;
+        }
+        blocked
+    }
+
+    /// Room for more: within the window's count and bytes (one message
+    /// always goes, however large), and the write buffer not backed up
+    /// (the broker applying TCP flow control).
+    fn room(&self, sink: &impl Broker) -> bool {
+        let full_window = self.cfg.window as u64;
+        let window = if self.sent < self.refusals.careful_for {
+            1
+        } else {
+            full_window
+        };
+        self.open && !self.blocked
+            && self.held_back.is_none()
+            && self.cp.in_flight() < window
+            && (self.held < self.cfg.window_bytes || self.cp.in_flight() == 0)
+            // One message left unanswered while the rest are confirmed
+            // must not grow the tag list without bound: publishing pauses,
+            // and the confirm deadline ends it.
+            && self.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
+            && !sink.wants_flush()
+    }
+
+    /// Once a second: the gauges, and the deadline of the oldest answer
+    /// due (a passive declare's answer is due as a confirm is).
+    fn on_tick(&mut self, queued: usize) -> Result<(), PublishError> {
+        self.update_gauges(queued);
+        let confirm = self.unconfirmed.oldest().map(|f| f.published_at);
+        let oldest = match (confirm, self.looking_since) {
+            (Some(c), Some(l)) => Some(c.min(l)),
+            (c, l) => c.or(l),
+        };
+        if (self.clock).overdue(oldest, self.blocked, self.cfg.confirm_timeout) {
+            if oldest == self.looking_since {
+                return Err(SinkError::Timeout("checking a templated exchange").into());
+            }
+            return Err(SinkError::ConfirmTimeout {
+                in_flight: self.unconfirmed.len() as u64,
+                secs: self.cfg.confirm_timeout.as_secs(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// What the broker said: an exchange looked for, confirms and returns,
+    /// or the publishing channel closed (routed around when it can be).
+    async fn on_broker(
+        &mut self,
+        sink: &mut impl Broker,
+        ev: Result<Event, SinkError>,
+    ) -> Result<(), PublishError> {
+        match ev {
+            Ok(Event::Exchange { name, found }) => {
+                self.on_found(name, found);
+                Ok(())
+            }
+            Ok(ev) => self.on_answer(ev),
+            Err(e) => self.route_around(sink, e).await,
+        }
+    }
+
+    /// An item from the source (`None`: its end), and what else is ready,
+    /// so that it goes out in one write.
+    fn on_items(
+        &mut self,
+        sink: &mut impl Broker,
+        item: Option<Item>,
+        items: &mut mpsc::Receiver<Item>,
+    ) -> Result<(), PublishError> {
+        let Some(item) = item else {
+            self.close();
+            return Ok(());
+        };
+        self.on_item(sink, item)?;
+        for _ in 1..BATCH {
+            if !self.room(sink) {
+                break;
+            }
+            match items.try_recv() {
+                Ok(item) => self.on_item(sink, item)?,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.close();
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// No more input. Ended by a stop (a signal), outstanding confirms get
+    /// the shutdown grace period. Ended by itself (a recovery handed over
+    /// its last row, the stream failed), they are waited for, as any
+    /// confirm is, within `rabbitmq.confirm_timeout_secs` of the broker
+    /// being free to answer; a stop asked for meanwhile starts the grace
+    /// period.
+    fn close(&mut self) {
+        self.open = false;
+        let in_flight = self.cp.in_flight();
+        if !self.stop.is_cancelled() {
+            if in_flight > 0 {
+                info!(in_flight, "input ended; waiting for outstanding confirms");
+            }
+            return;
+        }
+        if in_flight > 0 {
+            info!(
+                in_flight,
+                grace_secs = self.cfg.shutdown_grace.as_secs(),
+                "waiting for outstanding confirms"
+            );
+        }
+        self.drain_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
+    }
 }
 
 #[cfg(test)]

@@ -20,26 +20,33 @@ use crate::outbox::{Mapping, OutboxEvent};
 use crate::pgoutput::{Column, ColumnValue, Relation, TupleData};
 use crate::sink::publisher::{self, Publishing};
 use crate::sink::refusals::Refusals;
-use crate::sink::wire::Event;
+use crate::sink::wire::{Event, Returned};
 use crate::sink::{Broker, SinkError};
 
-/// What the fake answers one publish with (the script sees each publish:
-/// its message id, and how many times that id was published before).
-type Script = Box<dyn FnMut(&str, usize) -> Answer + Send>;
+/// What the fake answers one publish with. The script sees each publish:
+/// its message id, the exchange it goes to, and how many times that id was
+/// published before.
+type Script = Box<dyn FnMut(&str, &str, usize) -> Answer + Send>;
 
 /// The fake's answer to one publish.
 enum Answer {
     Ack,
     Nack,
+    /// `basic.return` (312 NO_ROUTE), then its ack, as the broker does.
+    Return,
     /// No answer (yet): the window stays taken.
     Silent,
+    /// The connection is lost once the answers before it are read.
+    Lose,
 }
 
 /// Records every publish; answers as the script says.
 struct Fake {
     /// Message ids in the order published (a retry appears again).
     published: Vec<String>,
-    answers: VecDeque<Event>,
+    /// The exchange of each, in the same order.
+    exchanges: Vec<String>,
+    answers: VecDeque<Result<Event, SinkError>>,
     script: Script,
     next_tag: u64,
 }
@@ -48,46 +55,71 @@ impl Fake {
     fn new(script: Script) -> Fake {
         Fake {
             published: Vec::new(),
+            exchanges: Vec::new(),
             answers: VecDeque::new(),
             script,
             next_tag: 1,
         }
     }
 
-    fn record(&mut self, id: &str) -> u64 {
+    fn record(&mut self, id: &str, exchange: String, routing_key: String) -> u64 {
         let before = self.published.iter().filter(|p| *p == id).count();
         self.published.push(id.to_owned());
         let tag = self.next_tag;
         self.next_tag += 1;
-        match (self.script)(id, before) {
-            Answer::Ack => self.answers.push_back(Event::Ack {
+        let ack = Event::Ack {
+            tag,
+            multiple: false,
+        };
+        match (self.script)(id, &exchange, before) {
+            Answer::Ack => self.answers.push_back(Ok(ack)),
+            Answer::Nack => self.answers.push_back(Ok(Event::Nack {
                 tag,
                 multiple: false,
-            }),
-            Answer::Nack => self.answers.push_back(Event::Nack {
-                tag,
-                multiple: false,
-            }),
+            })),
+            Answer::Return => {
+                self.answers.push_back(Ok(Event::Returned(Returned {
+                    reply_code: 312,
+                    reply_text: "NO_ROUTE".into(),
+                    exchange: exchange.clone(),
+                    routing_key,
+                    message_id: Some(id.to_owned()),
+                })));
+                self.answers.push_back(Ok(ack));
+            }
             Answer::Silent => {}
+            Answer::Lose => self.answers.push_back(Err(SinkError::Disconnected)),
         }
+        self.exchanges.push(exchange);
         tag
+    }
+
+    /// The exchanges `id` was published to, in order.
+    fn sent_to(&self, id: &str) -> Vec<&str> {
+        (self.published.iter().zip(&self.exchanges))
+            .filter(|(p, _)| *p == id)
+            .map(|(_, x)| x.as_str())
+            .collect()
     }
 }
 
 impl Broker for Fake {
     fn publish(&mut self, env: Envelope) -> Result<u64, SinkError> {
         let id = env.properties.message_id().clone().map(|s| s.to_string());
-        Ok(self.record(&id.unwrap_or_default()))
+        let (exchange, key) = (env.exchange.to_string(), env.routing_key.to_string());
+        Ok(self.record(&id.unwrap_or_default(), exchange, key))
     }
     fn publish_view(&mut self, m: &MessageView<'_>) -> Result<u64, SinkError> {
-        Ok(self.record(m.message_id))
+        let exchange = m.exchange.parts().concat();
+        let key = m.routing_key.parts().concat();
+        Ok(self.record(m.message_id, exchange, key))
     }
     fn look_for(&mut self, _exchange: &str) -> Result<(), SinkError> {
         unreachable!("the tests' exchange is literal")
     }
     async fn answer(&mut self) -> Result<Event, SinkError> {
         match self.answers.pop_front() {
-            Some(ev) => Ok(ev),
+            Some(ev) => ev,
             None => std::future::pending().await,
         }
     }
@@ -109,9 +141,15 @@ impl Broker for Fake {
 }
 
 fn config(window: usize) -> Config {
+    config_with(window, "")
+}
+
+/// [`config`], with more `[rabbitmq]` settings.
+fn config_with(window: usize, rabbitmq: &str) -> Config {
     let toml = format!(
         "[postgres]\nurl = \"postgres://u@h/db\"\n[outbox]\ntable = \"public.outbox\"\n\
-         [rabbitmq]\nurl = \"amqp://u:p@127.0.0.1:1/v\"\nexchange = \"ex\"\nwindow = {window}\n"
+         [rabbitmq]\nurl = \"amqp://u:p@127.0.0.1:1/v\"\nexchange = \"ex\"\nwindow = {window}\n\
+         {rabbitmq}"
     );
     Config::from_toml(&toml, "test.toml", Vec::new()).unwrap()
 }
@@ -159,8 +197,19 @@ fn transaction(cfg: &Config, ids: &[&str]) -> Vec<Item> {
 async fn publish(
     cfg: &Config,
     items: Vec<Item>,
+    fake: Fake,
+    within: Duration,
+) -> (Fake, Lsn, Result<(), publisher::Failed>) {
+    publish_learnt(cfg, items, fake, within, Refusals::default()).await
+}
+
+/// [`publish`], after earlier sessions learnt `refusals`.
+async fn publish_learnt(
+    cfg: &Config,
+    items: Vec<Item>,
     mut fake: Fake,
     within: Duration,
+    mut refusals: Refusals,
 ) -> (Fake, Lsn, Result<(), publisher::Failed>) {
     let (tx, rx) = mpsc::channel(items.len().max(1));
     for item in items {
@@ -171,7 +220,7 @@ async fn publish(
         lsn: Lsn(1),
         commit_time_us: None,
     });
-    let (mut refusals, budget) = (Refusals::default(), ByteBudget::default());
+    let budget = ByteBudget::default();
     let metrics = crate::metrics::Metrics::new();
     let stop = CancellationToken::new();
     let dead_letters = cfg.dead_letters();
@@ -202,7 +251,7 @@ async fn publish(
 #[tokio::test(start_paused = true)]
 async fn a_nacked_message_is_published_again_and_its_transaction_waits_for_it() {
     let cfg = config(16);
-    let fake = Fake::new(Box::new(|id, before| match (id, before) {
+    let fake = Fake::new(Box::new(|id, _, before| match (id, before) {
         ("m1", 0) => Answer::Nack,
         _ => Answer::Ack,
     }));
@@ -215,7 +264,7 @@ async fn a_nacked_message_is_published_again_and_its_transaction_waits_for_it() 
     // Nacked for ever: dead-lettered at last? No dead-letter exchange is
     // configured, so the relay stops naming the setting, and reports
     // nothing of the transaction.
-    let fake = Fake::new(Box::new(|id, _| match id {
+    let fake = Fake::new(Box::new(|id, _, _| match id {
         "m1" => Answer::Nack,
         _ => Answer::Ack,
     }));
@@ -234,9 +283,141 @@ async fn a_nacked_message_is_published_again_and_its_transaction_waits_for_it() 
 #[tokio::test(start_paused = true)]
 async fn the_window_bounds_what_waits_for_an_answer() {
     let cfg = config(2);
-    let fake = Fake::new(Box::new(|_, _| Answer::Silent));
+    let fake = Fake::new(Box::new(|_, _, _| Answer::Silent));
     let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
     let (fake, lsn, _) = publish(&cfg, items, fake, Duration::from_millis(500)).await;
     assert_eq!(fake.published, ["m0", "m1"]);
     assert_eq!(lsn, Lsn(1));
+}
+
+/// A message the broker returns (no queue bound) is published again until
+/// `rabbitmq.unroutable_retries` attempts, then to the dead-letter
+/// exchange; its transaction is reported once the dead letter is
+/// confirmed, and the messages around it go once each.
+#[tokio::test(start_paused = true)]
+async fn a_returned_message_is_published_again_then_dead_lettered() {
+    let cfg = config_with(
+        16,
+        "dead_letter_exchange = \"dlx\"\nunroutable_retries = 3\n",
+    );
+    let fake = Fake::new(Box::new(|id, exchange, _| match (id, exchange) {
+        ("m1", "ex") => Answer::Return,
+        _ => Answer::Ack,
+    }));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(600)).await;
+    assert!(r.is_ok(), "{:?}", r.err().map(|f| f.error.to_string()));
+    assert_eq!(fake.sent_to("m1"), ["ex", "ex", "ex", "dlx"]);
+    assert_eq!(fake.sent_to("m0"), ["ex"]);
+    assert_eq!(fake.sent_to("m2"), ["ex"]);
+    assert_eq!(lsn, Lsn(100), "the transaction is confirmed");
+
+    // Its dead letter returned too: the relay stops rather than lose it,
+    // and reports nothing of the transaction.
+    let fake = Fake::new(Box::new(|id, _, _| match id {
+        "m1" => Answer::Return,
+        _ => Answer::Ack,
+    }));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(600)).await;
+    let e = r
+        .expect_err("a returned dead letter stops the publisher")
+        .error;
+    assert!(
+        matches!(
+            &e,
+            publisher::PublishError::Sink(SinkError::DeadLetterRefused { .. })
+        ),
+        "{e}"
+    );
+    assert_eq!(fake.sent_to("m1").last(), Some(&"dlx"));
+    assert_eq!(lsn, Lsn(1), "nothing of the transaction is reported");
+}
+
+/// An event earlier sessions learnt the broker refuses (poison) goes
+/// straight to the dead-letter exchange, never to its own; without one the
+/// relay stops naming the setting, before publishing it anywhere.
+#[tokio::test(start_paused = true)]
+async fn a_learnt_poison_event_is_dead_lettered_at_once() {
+    let poisoned = || {
+        let mut r = Refusals::default();
+        r.poison.insert("m1".into(), "refused by the broker".into());
+        r
+    };
+    let cfg = config_with(16, "dead_letter_exchange = \"dlx\"\n");
+    let fake = Fake::new(Box::new(|_, _, _| Answer::Ack));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) =
+        publish_learnt(&cfg, items, fake, Duration::from_secs(60), poisoned()).await;
+    assert!(r.is_ok(), "{:?}", r.err().map(|f| f.error.to_string()));
+    assert_eq!(fake.sent_to("m1"), ["dlx"]);
+    assert_eq!(fake.published, ["m0", "m1", "m2"]);
+    assert_eq!(lsn, Lsn(100));
+
+    let cfg = config(16);
+    let fake = Fake::new(Box::new(|_, _, _| Answer::Ack));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) =
+        publish_learnt(&cfg, items, fake, Duration::from_secs(60), poisoned()).await;
+    let e = r
+        .expect_err("poison without a dead-letter exchange stops")
+        .error;
+    assert!(e.to_string().contains("dead_letter_exchange"), "{e}");
+    assert!(fake.sent_to("m1").is_empty(), "{:?}", fake.published);
+    assert_eq!(lsn, Lsn(1));
+}
+
+/// After a session ended on a refusal it could not pin on one message,
+/// the next publishes one message at a time (`careful_for`), so that a
+/// refusal names the right one; then the full window again.
+#[tokio::test(start_paused = true)]
+async fn after_an_unexplained_refusal_messages_go_one_at_a_time() {
+    let cfg = config(16);
+    let careful = || Refusals {
+        careful_for: 2,
+        ..Refusals::default()
+    };
+    let fake = Fake::new(Box::new(|_, _, _| Answer::Silent));
+    let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
+    let (fake, _, _) =
+        publish_learnt(&cfg, items, fake, Duration::from_millis(500), careful()).await;
+    assert_eq!(fake.published, ["m0"], "one at a time while careful");
+
+    // Answered: two go alone, then the rest together.
+    let fake = Fake::new(Box::new(|id, _, _| match id {
+        "m2" | "m3" => Answer::Silent,
+        _ => Answer::Ack,
+    }));
+    let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
+    let (fake, _, _) =
+        publish_learnt(&cfg, items, fake, Duration::from_millis(500), careful()).await;
+    assert_eq!(fake.published, ["m0", "m1", "m2", "m3"]);
+}
+
+/// A session that fails returns, with its error, the oldest message still
+/// unconfirmed (what the next session blames if the failure comes back),
+/// and reports nothing past it.
+#[tokio::test(start_paused = true)]
+async fn a_failed_session_names_its_oldest_unconfirmed_message() {
+    let cfg = config(16);
+    let fake = Fake::new(Box::new(|id, _, _| match id {
+        "m0" => Answer::Ack,
+        "m1" => Answer::Silent,
+        _ => Answer::Lose,
+    }));
+    let mut items = transaction(&cfg, &["m0"]);
+    items.extend(transaction(&cfg, &["m1", "m2"]));
+    if let Some(Item::Commit { end_lsn }) = items.get_mut(2) {
+        *end_lsn = Lsn(50);
+    }
+    let (_, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(60)).await;
+    let failed = r.expect_err("a lost connection ends the session");
+    assert!(matches!(
+        failed.error,
+        publisher::PublishError::Sink(SinkError::Disconnected)
+    ));
+    let head = failed.head.expect("the oldest unconfirmed message");
+    assert_eq!(head.id, "m1");
+    assert!(!head.alone, "published with others");
+    assert_eq!(lsn, Lsn(50), "the first transaction only");
 }
