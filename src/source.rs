@@ -9,6 +9,7 @@ mod hostile;
 #[cfg(test)]
 mod impostor;
 pub mod longest_tx;
+pub mod publication;
 pub mod resume;
 #[cfg(test)]
 mod scripted;

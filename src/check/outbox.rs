@@ -6,6 +6,7 @@ use crate::config::OutboxConfig;
 use crate::config::TableName;
 use crate::config::quote_ident;
 use crate::outbox::PayloadKind;
+use crate::source::publication;
 use tokio_postgres::Client;
 
 /// One column of the outbox table.
@@ -143,13 +144,17 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
         .join(", ");
     let what = format!("publication {:?}", pg.publication);
     let pub_q = quote_ident(&pg.publication);
-    let Some(row) = client
-        .query_opt(
-            "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
-            &[&pg.publication],
-        )
-        .await?
-    else {
+    // The tables by name, as the config says them (`run` follows them by
+    // id, which is the same table unless one was renamed since).
+    let mut roots = Vec::with_capacity(tables.len());
+    for (_, t) in &tables {
+        let root: Option<u32> = client
+            .query_one("SELECT to_regclass($1)::oid", &[&t.quoted()])
+            .await?
+            .get(0);
+        roots.push(((*t).clone(), root));
+    }
+    let Some(info) = publication::read(client, &pg.publication, &roots).await? else {
         return Ok(vec![Line::fail(
             what,
             format!(
@@ -164,21 +169,10 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
             ),
         )]);
     };
-    let inserts: bool = row.get(0);
-    let via_root: bool = row.get(1);
-    let mut problems = Vec::new();
-    let mut lines = Vec::new();
-    if !inserts {
-        problems.push(format!(
-            "does not publish inserts: ALTER PUBLICATION {pub_q} SET (publish = 'insert')"
-        ));
-    }
-    let mut any_partitioned = false;
-    for (_, t) in &tables {
-        let covers = publication_covers(client, pg, &pub_q, t, via_root).await?;
-        any_partitioned |= covers.partitioned;
-        problems.extend(covers.problems);
-    }
+    let any_partitioned = info.tables.iter().any(|h| h.partitioned);
+    let mut problems: Vec<String> = (info.problems().iter())
+        .map(|p| p.text(&pg.publication))
+        .collect();
     // Anything else it publishes would stop the relay at its first INSERT.
     let schemas: Vec<&str> = tables.iter().map(|(_, t)| t.schema.as_str()).collect();
     let names: Vec<&str> = tables.iter().map(|(_, t)| t.name.as_str()).collect();
@@ -221,70 +215,10 @@ pub(super) async fn publication(client: &Client, cfg: &Config) -> Result<Vec<Lin
                     .join(", ")
             )
         };
-        lines.insert(0, Line::ok(what, into));
+        Ok(vec![Line::ok(what, into)])
     } else {
-        lines.insert(0, Line::fail(what, problems.join("; ")));
+        Ok(vec![Line::fail(what, problems.join("; "))])
     }
-    Ok(lines)
-}
-
-/// The publication's hold on one outbox table (see [`publication_covers`]).
-pub(super) struct Covers {
-    /// The table is partitioned.
-    pub partitioned: bool,
-    /// What is wrong, each naming its fix.
-    pub problems: Vec<String>,
-}
-
-/// The publication's hold on one outbox table: covered, whole rows (no
-/// row filter, no column list: the rule `run` applies).
-pub(super) async fn publication_covers(
-    client: &Client,
-    pg: &crate::config::PostgresConfig,
-    pub_q: &str,
-    t: &TableName,
-    via_root: bool,
-) -> Result<Covers, CheckError> {
-    let mut problems = Vec::new();
-    let covered = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication_tables \
-             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-            &[&pg.publication, &t.schema, &t.name],
-        )
-        .await?;
-    let table = table_columns(client, t).await?;
-    let partitioned = matches!(&table, Some((kind, _)) if kind == "p");
-    match (&covered, &table) {
-        (None, Some(_)) if partitioned && !via_root => problems.push(format!(
-            "publishes the partitions of {t} under their own names: \
-             ALTER PUBLICATION {pub_q} SET (publish_via_partition_root = true)"
-        )),
-        (None, None) => problems.push(format!(
-            "does not cover {t}, which does not exist (see the outbox table check)"
-        )),
-        (None, Some(_)) => problems.push(format!(
-            "does not cover {t}: ALTER PUBLICATION {pub_q} ADD TABLE {}",
-            t.quoted()
-        )),
-        (Some(_), _) => {
-            let root: Option<u32> = client
-                .query_one("SELECT to_regclass($1)::oid", &[&t.quoted()])
-                .await?
-                .get(0);
-            let partial = match root {
-                Some(root) => {
-                    crate::source::slot::partial_rows(client, &pg.publication, t, root).await?
-                }
-                None => None,
-            };
-            problems.extend(partial);
-        }
-    }
-    Ok(Covers {
-        partitioned,
-        problems,
-    })
 }
 
 pub(super) async fn outbox_table(

@@ -2,6 +2,7 @@
 
 use tokio_postgres::Client;
 
+use super::publication::{self, PublicationProblem};
 use super::{SourceError, sql_err};
 use crate::config::{Config, OutboxConfig, TableName, quote_ident};
 use crate::lsn::Lsn;
@@ -341,135 +342,31 @@ pub fn check_overlap(cfg: &Config, oids: &[Option<OutboxOids>]) -> Result<(), So
     Ok(())
 }
 
-/// Whether the publication publishes inserts, and covers the outbox table
-/// (listed itself, or through its partitions); `None`: no publication.
-async fn publication_state(
-    client: &Client,
-    cfg: &Config,
-    root: u32,
-) -> Result<Option<(bool, bool)>, SourceError> {
-    let pg = &cfg.postgres;
-    let Some(row) = client
-        .query_opt(
-            "SELECT pubinsert FROM pg_publication WHERE pubname = $1",
-            &[&pg.publication],
-        )
-        .await
-        .map_err(sql_err(pg, "reading pg_publication"))?
-    else {
-        return Ok(None);
-    };
-    let covers = client
-        .query_opt(
-            "SELECT 1 FROM pg_publication_tables pt \
-             JOIN pg_namespace n ON n.nspname = pt.schemaname \
-             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
-             WHERE pt.pubname = $1 AND (c.oid = $2 OR c.oid IN ( \
-               SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t)) LIMIT 1",
-            &[&pg.publication, &root],
-        )
-        .await
-        .map_err(sql_err(pg, "reading pg_publication_tables"))?;
-    Ok(Some((row.get(0), covers.is_some())))
-}
-
 /// `run` streams only when the publication still publishes the outbox's
-/// inserts: a table dropped and created again is no longer in a `FOR
-/// TABLE` publication, and its rows would never be decoded while the slot
-/// moved on.
+/// inserts, whole: a table dropped and created again is no longer in a
+/// `FOR TABLE` publication, and its rows would never be decoded while the
+/// slot moved on (see [`super::publication`]).
 pub async fn require_publication(
     client: &Client,
     cfg: &Config,
     oids: &[Option<OutboxOids>],
 ) -> Result<(), SourceError> {
     let pg = &cfg.postgres;
-    for (outbox, oids) in cfg.outboxes.iter().zip(oids) {
-        if let (Some(table), Some(oids)) = (outbox.table(), oids) {
-            require_publication_of(client, cfg, table, oids).await?;
-        }
-    }
+    let tables: Vec<(TableName, Option<u32>)> = (cfg.outboxes.iter().zip(oids))
+        .filter_map(|(o, oids)| Some((o.table()?.clone(), Some(oids.as_ref()?.root))))
+        .collect();
     // Table-less outboxes need the publication too: pgoutput starts from it.
-    if cfg.outboxes.iter().all(|o| o.table().is_none())
-        && publication_state(client, cfg, 0).await?.is_none()
+    let problem = match publication::read(client, &pg.publication, &tables)
+        .await
+        .map_err(sql_err(pg, "reading the publication"))?
     {
-        return Err(SourceError::Setup(format!(
-            "publication {:?} does not exist (postgres.publication); run `outbox-relay setup`",
-            pg.publication
-        )));
+        None => Some(PublicationProblem::Missing),
+        Some(info) => info.problems().into_iter().find(|p| p.stops_run()),
+    };
+    match problem {
+        Some(p) => Err(SourceError::Setup(p.sentence(&pg.publication))),
+        None => Ok(()),
     }
-    Ok(())
-}
-
-async fn require_publication_of(
-    client: &Client,
-    cfg: &Config,
-    table: &TableName,
-    oids: &OutboxOids,
-) -> Result<(), SourceError> {
-    let pg = &cfg.postgres;
-    match publication_state(client, cfg, oids.root).await? {
-        Some((true, true)) => match partial_rows(client, &pg.publication, table, oids.root)
-            .await
-            .map_err(sql_err(pg, "reading pg_publication_rel"))?
-        {
-            Some(problem) => Err(SourceError::Setup(problem)),
-            None => Ok(()),
-        },
-        None => Err(SourceError::Setup(format!(
-            "publication {:?} does not exist (postgres.publication); run `outbox-relay setup`",
-            pg.publication
-        ))),
-        Some(_) => Err(SourceError::Setup(format!(
-            "publication {:?} does not publish inserts into {table} (was the table dropped and \
-             created again?); run `outbox-relay setup` (or: ALTER PUBLICATION {} ADD TABLE {}; \
-             ALTER PUBLICATION {} SET (publish = 'insert')), then send the rows written while it \
-             did not with `outbox-relay republish --since <time>` (the stream never carried \
-             them)",
-            pg.publication,
-            quote_ident(&pg.publication),
-            table.quoted(),
-            quote_ident(&pg.publication),
-        ))),
-    }
-}
-
-/// A row filter drops the rows it excludes and a column list the columns
-/// it leaves out, before the relay sees them; either would lose events
-/// silently, so `run` refuses both and `check` fails on them. The problem,
-/// naming the table it is set on (the outbox's root or one of its
-/// partitions), or `None` when the publication takes whole rows.
-pub async fn partial_rows(
-    client: &Client,
-    publication: &str,
-    table: &TableName,
-    root: u32,
-) -> Result<Option<String>, tokio_postgres::Error> {
-    let rows = client
-        .query(
-            "SELECT pr.prrelid::regclass::text, pr.prqual IS NOT NULL, pr.prattrs IS NOT NULL \
-             FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid \
-             WHERE p.pubname = $1 AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL) \
-               AND (pr.prrelid = $2 OR pr.prrelid IN ( \
-                 SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t)) \
-             ORDER BY 1",
-            &[&publication, &root],
-        )
-        .await?;
-    Ok(rows.first().map(|row| {
-        let (rel, filter, columns): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
-        let what = match (filter, columns) {
-            (true, true) => "a row filter and a column list",
-            (true, false) => "a row filter",
-            _ => "a column list",
-        };
-        format!(
-            "publication {publication:?} (postgres.publication) has {what} on {rel}, part of \
-             outbox table {table}: rows or columns it leaves out would never be relayed; publish \
-             whole rows with ALTER PUBLICATION {} SET TABLE {}",
-            quote_ident(publication),
-            table.quoted(),
-        )
-    }))
 }
 
 /// What `setup` did.
@@ -508,7 +405,7 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
             )));
         }
         let oids = outbox_oids(client, cfg, outbox, None).await?;
-        roots.push((*table, oids.as_ref().map_or(0, |o| o.root)));
+        roots.push(((*table).clone(), oids.as_ref().map(|o| o.root)));
         all_oids.push((*table, oids));
     }
     let aligned: Vec<Option<OutboxOids>> = (cfg.outboxes.iter())
@@ -523,7 +420,15 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
     check_overlap(cfg, &aligned)?;
 
     let publication = quote_ident(&pg.publication);
-    if publication_state(client, cfg, 0).await?.is_none() {
+    let read = |roots: &[(TableName, Option<u32>)]| {
+        let roots = roots.to_vec();
+        async move {
+            publication::read(client, &pg.publication, &roots)
+                .await
+                .map_err(sql_err(pg, "reading the publication"))
+        }
+    };
+    if read(&[]).await?.is_none() {
         // Every outbox table in one publication; none at all for table-less
         // outboxes only (logical messages do not go through publications).
         let list: Vec<String> = tables.iter().map(|(_, t)| t.quoted()).collect();
@@ -542,12 +447,12 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
             .map_err(sql_err(pg, "creating the publication"))?;
         report.created_publication = true;
     }
-    for (table, root) in roots {
-        match publication_state(client, cfg, root).await? {
-            Some((true, true)) => {}
-            Some((true, false)) => {
-                // An outbox added to the config since the publication was
-                // made: its inserts are published from this WAL position on.
+    let info = read(&roots).await?;
+    for problem in info.map(|i| i.problems()).unwrap_or_default() {
+        match problem {
+            // An outbox added to the config since the publication was
+            // made: its inserts are published from this WAL position on.
+            PublicationProblem::NotCovered(table) => {
                 client
                     .batch_execute(&format!(
                         "ALTER PUBLICATION {publication} ADD TABLE {}",
@@ -557,13 +462,15 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
                     .map_err(sql_err(pg, "adding an outbox table to the publication"))?;
                 report.added_tables.push(table.to_string());
             }
-            _ => {
+            PublicationProblem::NoInserts => {
                 return Err(SourceError::Setup(format!(
                     "publication {:?} exists but does not publish inserts (postgres.publication); \
                      drop it or run: ALTER PUBLICATION {publication} SET (publish = 'insert')",
                     pg.publication,
                 )));
             }
+            // Left to `check` and `run`, as before.
+            _ => {}
         }
     }
 

@@ -1,0 +1,321 @@
+//! What the catalog says of the publication and its hold on the outbox
+//! tables: one verdict for every command. `run` stops on the first problem
+//! it cannot stream with; `setup` fixes what it can; `check` shows each.
+
+use tokio_postgres::Client;
+
+use crate::config::{TableName, quote_ident};
+
+/// The publication as the catalog has it; `None` from [`read`] when there
+/// is none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicationInfo {
+    /// `postgres.publication`.
+    pub name: String,
+    /// It publishes inserts.
+    pub inserts: bool,
+    /// `publish_via_partition_root`.
+    pub via_root: bool,
+    /// Its hold on each outbox table, in the config's order.
+    pub tables: Vec<Hold>,
+}
+
+/// The publication's hold on one outbox table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// The table as configured.
+    pub table: TableName,
+    /// Its relation (the partition root): `run` follows it by id, `check`
+    /// and `setup` by name; `None`: no such table.
+    pub root: Option<u32>,
+    /// It is partitioned.
+    pub partitioned: bool,
+    /// The publication lists it under its own name (rows of a partitioned
+    /// table then come as its own).
+    pub listed: bool,
+    /// The publication lists it or one of its partitions: its inserts are
+    /// decoded.
+    pub covered: bool,
+    /// A row filter or a column list on it or a partition: (the relation
+    /// it is set on, which).
+    pub partial: Option<(String, &'static str)>,
+}
+
+/// What is wrong with the publication, in the order `run` meets it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PublicationProblem {
+    /// No such publication.
+    Missing,
+    /// It does not publish inserts.
+    NoInserts,
+    /// The outbox table does not exist.
+    NoTable(TableName),
+    /// It does not hold the outbox table (a table dropped and created
+    /// again is no longer in a `FOR TABLE` publication).
+    NotCovered(TableName),
+    /// It publishes a partitioned outbox's partitions under their own
+    /// names. `run` decodes them by relation id, so it streams; `check`
+    /// asks for `publish_via_partition_root`, which `setup` sets.
+    PartitionsByOwnName(TableName),
+    /// A row filter or a column list would drop rows or columns before
+    /// the relay sees them.
+    Partial {
+        /// The outbox table.
+        table: TableName,
+        /// The relation it is set on (the table or a partition).
+        on: String,
+        /// "a row filter", "a column list", or both.
+        what: &'static str,
+    },
+}
+
+/// Reads the publication `name` and its hold on `tables` (each with its
+/// relation, `None` when it does not exist).
+pub async fn read(
+    client: &Client,
+    name: &str,
+    tables: &[(TableName, Option<u32>)],
+) -> Result<Option<PublicationInfo>, tokio_postgres::Error> {
+    let Some(row) = client
+        .query_opt(
+            "SELECT pubinsert, pubviaroot FROM pg_publication WHERE pubname = $1",
+            &[&name],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let mut holds = Vec::with_capacity(tables.len());
+    for (table, root) in tables {
+        holds.push(hold(client, name, table, *root).await?);
+    }
+    Ok(Some(PublicationInfo {
+        name: name.to_owned(),
+        inserts: row.get(0),
+        via_root: row.get(1),
+        tables: holds,
+    }))
+}
+
+async fn hold(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+    root: Option<u32>,
+) -> Result<Hold, tokio_postgres::Error> {
+    let mut hold = Hold {
+        table: table.clone(),
+        root,
+        partitioned: false,
+        listed: false,
+        covered: false,
+        partial: None,
+    };
+    let Some(root) = root else {
+        return Ok(hold);
+    };
+    // By relation id: a table renamed since is still the one the relay
+    // follows.
+    let row = client
+        .query_one(
+            "WITH listed AS (SELECT c.oid FROM pg_publication_tables pt \
+               JOIN pg_namespace n ON n.nspname = pt.schemaname \
+               JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+               WHERE pt.pubname = $1) \
+             SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = $2), false), \
+               EXISTS (SELECT 1 FROM listed WHERE oid = $2), \
+               EXISTS (SELECT 1 FROM listed WHERE oid = $2 OR oid IN ( \
+                 SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t))",
+            &[&publication, &root],
+        )
+        .await?;
+    hold.partitioned = row.get(0);
+    hold.listed = row.get(1);
+    hold.covered = row.get(2);
+    if hold.covered {
+        hold.partial = partial_rows(client, publication, root).await?;
+    }
+    Ok(hold)
+}
+
+/// The first entry of the publication with a row filter or a column list
+/// on the table `root` or one of its partitions: (the relation, which).
+async fn partial_rows(
+    client: &Client,
+    publication: &str,
+    root: u32,
+) -> Result<Option<(String, &'static str)>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT pr.prrelid::regclass::text, pr.prqual IS NOT NULL, pr.prattrs IS NOT NULL \
+             FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid \
+             WHERE p.pubname = $1 AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL) \
+               AND (pr.prrelid = $2 OR pr.prrelid IN ( \
+                 SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t)) \
+             ORDER BY 1",
+            &[&publication, &root],
+        )
+        .await?;
+    Ok(rows.first().map(|row| {
+        let (rel, filter, columns): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        let what = match (filter, columns) {
+            (true, true) => "a row filter and a column list",
+            (true, false) => "a row filter",
+            _ => "a column list",
+        };
+        (rel, what)
+    }))
+}
+
+impl PublicationInfo {
+    /// Every problem, in the order `run` meets them; none: the relay
+    /// streams every outbox row whole.
+    pub fn problems(&self) -> Vec<PublicationProblem> {
+        let mut found = Vec::new();
+        if !self.inserts {
+            found.push(PublicationProblem::NoInserts);
+        }
+        for h in &self.tables {
+            let t = || h.table.clone();
+            if h.root.is_none() {
+                found.push(PublicationProblem::NoTable(t()));
+            } else if !h.covered {
+                found.push(PublicationProblem::NotCovered(t()));
+            } else if h.partitioned && !h.listed && !self.via_root {
+                found.push(PublicationProblem::PartitionsByOwnName(t()));
+            }
+            if let Some((on, what)) = &h.partial {
+                found.push(PublicationProblem::Partial {
+                    table: t(),
+                    on: on.clone(),
+                    what,
+                });
+            }
+        }
+        found
+    }
+}
+
+impl PublicationProblem {
+    /// Whether `run` refuses to stream with it.
+    pub fn stops_run(&self) -> bool {
+        !matches!(self, PublicationProblem::PartitionsByOwnName(_))
+    }
+
+    /// What is wrong and its fix, after the publication's name.
+    pub fn text(&self, publication: &str) -> String {
+        let q = quote_ident(publication);
+        // Rows written while the publication did not hold them were never
+        // in the stream.
+        let lost = "then send the rows written meanwhile with `outbox-relay republish --since \
+                    <time>` (the stream never carried them)";
+        match self {
+            PublicationProblem::Missing => "does not exist (postgres.publication): run \
+                 `outbox-relay setup`"
+                .to_owned(),
+            PublicationProblem::NoInserts => format!(
+                "does not publish inserts (postgres.publication): ALTER PUBLICATION {q} SET \
+                 (publish = 'insert'), {lost}"
+            ),
+            PublicationProblem::NoTable(t) => {
+                format!("does not cover {t}, which does not exist (see the outbox table check)")
+            }
+            PublicationProblem::NotCovered(t) => format!(
+                "does not cover {t} (was the table dropped and created again?): run \
+                 `outbox-relay setup` (or: ALTER PUBLICATION {q} ADD TABLE {}), {lost}",
+                t.quoted()
+            ),
+            PublicationProblem::PartitionsByOwnName(t) => format!(
+                "publishes the partitions of {t} under their own names: ALTER PUBLICATION {q} \
+                 SET (publish_via_partition_root = true)"
+            ),
+            PublicationProblem::Partial { table, on, what } => format!(
+                "has {what} on {on}, part of outbox table {table}: rows or columns it leaves out \
+                 would never be relayed; publish whole rows with ALTER PUBLICATION {q} SET TABLE \
+                 {}",
+                table.quoted()
+            ),
+        }
+    }
+
+    /// The whole sentence, naming the publication (as `run` says it).
+    pub fn sentence(&self, publication: &str) -> String {
+        format!("publication {publication:?} {}", self.text(publication))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(name: &str) -> TableName {
+        TableName {
+            schema: "public".into(),
+            name: name.into(),
+        }
+    }
+
+    fn healthy() -> PublicationInfo {
+        PublicationInfo {
+            name: "p".into(),
+            inserts: true,
+            via_root: true,
+            tables: vec![Hold {
+                table: table("outbox"),
+                root: Some(16384),
+                partitioned: false,
+                listed: true,
+                covered: true,
+                partial: None,
+            }],
+        }
+    }
+
+    #[test]
+    fn one_verdict_in_the_order_run_meets_it() {
+        assert!(healthy().problems().is_empty());
+
+        let mut p = healthy();
+        p.inserts = false;
+        p.tables[0].covered = false;
+        p.tables[0].listed = false;
+        assert_eq!(
+            p.problems(),
+            [
+                PublicationProblem::NoInserts,
+                PublicationProblem::NotCovered(table("outbox"))
+            ]
+        );
+
+        // Partitions under their own names: check asks for the root; run
+        // streams (it decodes partitions by relation id).
+        let mut p = healthy();
+        p.via_root = false;
+        p.tables[0].partitioned = true;
+        p.tables[0].listed = false;
+        let problems = p.problems();
+        assert_eq!(
+            problems,
+            [PublicationProblem::PartitionsByOwnName(table("outbox"))]
+        );
+        assert!(!problems[0].stops_run());
+
+        let mut p = healthy();
+        p.tables[0].partial = Some(("public.outbox_2024".into(), "a row filter"));
+        let problems = p.problems();
+        assert!(problems[0].stops_run());
+        let said = problems[0].sentence("p");
+        assert!(
+            said.starts_with("publication \"p\" has a row filter on public.outbox_2024")
+                && said.contains("SET TABLE \"public\".\"outbox\""),
+            "{said}"
+        );
+
+        let said = PublicationProblem::NotCovered(table("outbox")).sentence("p");
+        assert!(
+            said.contains("ADD TABLE \"public\".\"outbox\"")
+                && said.contains("outbox-relay republish --since <time>"),
+            "{said}"
+        );
+    }
+}
