@@ -151,6 +151,7 @@ impl Checkpoint {
     }
 
     /// The watermark: safe to report as flushed.
+    #[cfg(test)]
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }

@@ -39,23 +39,23 @@
 #![forbid(unsafe_code)]
 
 pub mod check;
-pub mod checkpoint;
+pub(crate) mod checkpoint;
 pub mod cli;
 pub mod config;
-pub mod error;
-pub mod handoff;
+pub(crate) mod error;
+pub(crate) mod handoff;
 pub mod http;
 pub mod logtext;
 pub mod lsn;
 pub mod message;
 pub mod metrics;
-pub mod outbox;
+pub(crate) mod outbox;
 pub mod pgoutput;
-pub mod pgurl;
+pub(crate) mod pgurl;
 pub mod recover;
-pub mod redact;
-pub mod relay;
+pub(crate) mod redact;
+pub(crate) mod relay;
 pub mod sink;
 pub mod source;
-pub mod template;
+pub(crate) mod template;
 pub mod tls;

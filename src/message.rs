@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 
 use crate::outbox::{Mapping, MappingError, OutboxEvent, PayloadKind, ResolvedPart};
 
-pub mod guard;
+pub(crate) mod guard;
 mod routing_headers;
 
 use crate::logtext::shown;

@@ -24,9 +24,9 @@
 //! its sampling interval.
 
 mod in_flight;
-pub mod prune;
-pub mod publish;
-pub mod rows;
+pub(crate) mod prune;
+pub(crate) mod publish;
+pub(crate) mod rows;
 
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;

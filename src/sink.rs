@@ -11,11 +11,11 @@
 //! The connection is [`wire::Wire`], a publishing-only AMQP client driven by
 //! the publishing task itself (see there why not lapin).
 
-pub mod nodes;
-pub mod publisher;
-pub mod refusals;
-pub mod refused;
-pub mod replies;
+pub(crate) mod nodes;
+pub(crate) mod publisher;
+pub(crate) mod refusals;
+pub(crate) mod refused;
+pub(crate) mod replies;
 mod unconfirmed;
 pub mod wire;
 pub use unconfirmed::Unconfirmed;

@@ -2,20 +2,20 @@
 //! replication stream.
 
 mod auth_guard;
-pub mod checkpoint_table;
-pub mod coverage;
+pub(crate) mod checkpoint_table;
+pub(crate) mod coverage;
 #[cfg(test)]
 mod hostile;
 #[cfg(test)]
 mod impostor;
-pub mod longest_tx;
-pub mod publication;
-pub mod resume;
+pub(crate) mod longest_tx;
+pub(crate) mod publication;
+pub(crate) mod resume;
 #[cfg(test)]
 mod scripted;
-pub mod silence;
-pub mod slot;
-pub mod stream;
+pub(crate) mod silence;
+pub(crate) mod slot;
+pub(crate) mod stream;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -94,11 +94,6 @@ impl Silence {
         }
     }
 
-    /// The limit in force.
-    pub fn limit(&self) -> Duration {
-        self.limit
-    }
-
     /// The stream said something (or the relay was busy elsewhere and not
     /// listening): start counting again.
     pub fn heard(&mut self) {
