@@ -669,7 +669,12 @@ impl Publisher<'_> {
                 _ = self.gauges.tick() => self.on_tick(items.len())?,
                 // 2. Broker answers: they free the window and move the
                 // watermark (waiting for them writes what is queued).
-                ev = sink.answer() => self.on_broker(sink, ev).await?,
+                ev = sink.answer() => match ev {
+                    Ok(ev) => self.on_broker(ev)?,
+                    // The publishing channel closed: routed around when it
+                    // can be.
+                    Err(e) => self.route_around(sink, e).await?,
+                },
                 // 3. An event waits for its exchange to be looked for, or
                 // has its answer. (Not while blocked: the broker reads
                 // nothing from a blocked connection. Not while the
@@ -756,20 +761,15 @@ impl Publisher<'_> {
         Ok(())
     }
 
-    /// What the broker said: an exchange looked for, confirms and returns,
-    /// or the publishing channel closed (routed around when it can be).
-    async fn on_broker(
-        &mut self,
-        sink: &mut impl Broker,
-        ev: Result<Event, SinkError>,
-    ) -> Result<(), PublishError> {
+    /// What the broker said: an exchange looked for, or confirms and
+    /// returns.
+    fn on_broker(&mut self, ev: Event) -> Result<(), PublishError> {
         match ev {
-            Ok(Event::Exchange { name, found }) => {
+            Event::Exchange { name, found } => {
                 self.on_found(name, found);
                 Ok(())
             }
-            Ok(ev) => self.on_answer(ev),
-            Err(e) => self.route_around(sink, e).await,
+            ev => self.on_answer(ev),
         }
     }
 
