@@ -16,12 +16,23 @@ use crate::consumer::Consumer;
 use crate::schedule::Fault;
 use crate::world::World;
 
+/// When a `recreate` ran: its DDL committed between the two.
+#[derive(Clone, Copy)]
+pub struct Recreated {
+    /// Just before the DDL was sent.
+    pub sent: Instant,
+    /// Just after it was seen committed.
+    pub done: Instant,
+}
+
 /// A documented stop and what the operator did about it.
 pub struct Remedy {
     /// The relay's words and the operator's commands, for the report.
     pub text: String,
     /// When the relay that stopped was started.
     pub started: Instant,
+    /// When its exit was seen.
+    pub stopped: Instant,
     pub began: Instant,
     pub ended: Instant,
     /// The commands succeeded and included a `republish`.
@@ -45,11 +56,11 @@ pub struct Supervisor {
     owed_since: Option<String>,
     /// The same, for the last re-creation (answered or not).
     recreated_since: Option<String>,
-    /// When outbox tables were re-created (`recreate` that committed, as
-    /// seen just after): each explains the documented stops naming
-    /// `republish` of the relays started before a remedy begun after it
-    /// succeeded (see [`Supervisor::republish_explained`]).
-    pub recreates: Vec<Instant>,
+    /// Outbox tables re-created (`recreate` that committed): each explains
+    /// the documented stops naming `republish` that came after it, by
+    /// relays started before a remedy begun after it succeeded (see
+    /// [`Supervisor::republish_explained`]).
+    pub recreates: Vec<Recreated>,
     /// Slots dropped (`drop-slot` that succeeded): each explains one
     /// recovery the relay starts by itself, never more, and only a drop
     /// explains a refusal because a recovery runs.
@@ -163,16 +174,21 @@ impl Supervisor {
         }
     }
 
-    /// Whether a re-created table explains a stop naming `republish` by
-    /// a relay started at `started`: one re-created before no `republish`
-    /// begun after it had succeeded by then. A relay started later (after
+    /// Whether a re-created table explains a stop naming `republish` (by
+    /// a relay started at `started`, seen exited at `stopped`): one
+    /// re-created before the stop, and before no `republish` begun after
+    /// it had succeeded by the relay's start. A relay started later (after
     /// a plain restart, or once the remedy ran) has nothing to republish:
     /// its stop would be a defect the remedy hides. Relays started before
     /// the remedy ended (a spare waiting for the slot, one started beside
-    /// the remedy) stop for the same change, each rightly.
-    pub fn republish_explained(&self, started: Instant) -> bool {
-        self.recreates.iter().any(|&r| {
-            !(self.remedies.iter()).any(|m| m.republished && m.began > r && m.ended < started)
+    /// the remedy) stop for the same change, each rightly. Where the
+    /// times leave a doubt (a remedy begun while the DDL was committing),
+    /// the stop is explained.
+    pub fn republish_explained(&self, started: Instant, stopped: Instant) -> bool {
+        self.recreates.iter().any(|r| {
+            r.sent < stopped
+                && !(self.remedies.iter())
+                    .any(|m| m.republished && m.began > r.done && m.ended < started)
         })
     }
 
@@ -387,12 +403,18 @@ pub async fn supervise(
                     // before streaming ...").
                     let out =
                         std::fs::read_to_string(r.log.with_extension("out")).unwrap_or_default();
-                    Some((status, r.log_tail(), tail(&out, 2), r.started))
+                    Some((
+                        status,
+                        r.log_tail(),
+                        tail(&out, 2),
+                        r.started,
+                        Instant::now(),
+                    ))
                 }
                 _ => None,
             }
         };
-        let Some((status, log, out, started)) = exited else {
+        let Some((status, log, out, started, stopped)) = exited else {
             continue;
         };
         let remedy = {
@@ -439,6 +461,7 @@ pub async fn supervise(
                 s.remedies.push(Remedy {
                     text: all.join("; "),
                     started,
+                    stopped,
                     began,
                     ended: Instant::now(),
                     republished: failed.is_none() && args.iter().any(|a| a[0] == "republish"),
@@ -842,6 +865,7 @@ pub async fn inflict(
                 .get(0);
             drop(pg);
             order_broken(sup);
+            let sent = Instant::now();
             ddl_once(
                 &format!("BEGIN; DROP TABLE {t} CASCADE; {} COMMIT", w.table_ddl(t)),
                 Some(&format!(
@@ -853,7 +877,10 @@ pub async fn inflict(
             s.owed = Some(Instant::now());
             s.owed_since.get_or_insert_with(|| since.clone());
             s.recreated_since = Some(since);
-            s.recreates.push(Instant::now());
+            s.recreates.push(Recreated {
+                sent,
+                done: Instant::now(),
+            });
         }
         Fault::AttachPartition => {
             let t = &w.tables[0];

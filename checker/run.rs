@@ -282,7 +282,7 @@ async fn run(s: &Schedule) -> Report {
             let ok = if said.contains("no checkpoint recorded for slot") {
                 take(&mut unrecorded)
             } else if said.contains("outbox-relay republish") {
-                sv.republish_explained(remedy.started)
+                sv.republish_explained(remedy.started, remedy.stopped)
             } else if said.contains("the recovery ended with") {
                 // A pass that ended unfinished by itself: the relay says so
                 // only once confirms are overdue past confirm_timeout_secs
