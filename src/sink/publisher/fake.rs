@@ -193,13 +193,14 @@ fn transaction(cfg: &Config, ids: &[&str]) -> Vec<Item> {
 }
 
 /// Runs the publisher over `items` against `fake` until the input is
-/// drained (or `within` passes); the fake and the position reported.
+/// drained (or `within` passes); the fake, the position reported, and
+/// how the run ended (`None`: it had not by `within`).
 async fn publish(
     cfg: &Config,
     items: Vec<Item>,
     fake: Fake,
     within: Duration,
-) -> (Fake, Lsn, Result<(), publisher::Failed>) {
+) -> (Fake, Lsn, Option<Result<(), publisher::Failed>>) {
     publish_learnt(cfg, items, fake, within, Refusals::default()).await
 }
 
@@ -210,7 +211,7 @@ async fn publish_learnt(
     mut fake: Fake,
     within: Duration,
     mut refusals: Refusals,
-) -> (Fake, Lsn, Result<(), publisher::Failed>) {
+) -> (Fake, Lsn, Option<Result<(), publisher::Failed>>) {
     let (tx, rx) = mpsc::channel(items.len().max(1));
     for item in items {
         tx.try_send(item).unwrap();
@@ -238,12 +239,18 @@ async fn publish_learnt(
         },
         &stop,
     );
-    let r = match tokio::time::timeout(within, run).await {
-        Ok(r) => r,
-        Err(_) => Ok(()),
-    };
+    let r = tokio::time::timeout(within, run).await.ok();
     let lsn = wm_rx.borrow().lsn;
     (fake, lsn, r)
+}
+
+/// The run ended by itself, without an error.
+fn finished_ok(r: Option<Result<(), publisher::Failed>>) {
+    match r {
+        Some(Ok(())) => {}
+        Some(Err(f)) => panic!("the run failed: {}", f.error),
+        None => panic!("the run had not ended"),
+    }
 }
 
 /// A nacked message is published again (after its delay), and the
@@ -257,7 +264,7 @@ async fn a_nacked_message_is_published_again_and_its_transaction_waits_for_it() 
     }));
     let items = transaction(&cfg, &["m0", "m1", "m2"]);
     let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(60)).await;
-    assert!(r.is_ok(), "{:?}", r.err().map(|f| f.error.to_string()));
+    finished_ok(r);
     assert_eq!(fake.published, ["m0", "m1", "m2", "m1"]);
     assert_eq!(lsn, Lsn(100), "the transaction is confirmed");
 
@@ -271,6 +278,7 @@ async fn a_nacked_message_is_published_again_and_its_transaction_waits_for_it() 
     let items = transaction(&cfg, &["m0", "m1", "m2"]);
     let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(3600)).await;
     let e = r
+        .expect("the run ends")
         .expect_err("a message nacked for ever stops the publisher")
         .error;
     assert!(e.to_string().contains("dead_letter_exchange"), "{e}");
@@ -285,7 +293,8 @@ async fn the_window_bounds_what_waits_for_an_answer() {
     let cfg = config(2);
     let fake = Fake::new(Box::new(|_, _, _| Answer::Silent));
     let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
-    let (fake, lsn, _) = publish(&cfg, items, fake, Duration::from_millis(500)).await;
+    let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_millis(500)).await;
+    assert!(r.is_none(), "the run waits for answers");
     assert_eq!(fake.published, ["m0", "m1"]);
     assert_eq!(lsn, Lsn(1));
 }
@@ -306,7 +315,7 @@ async fn a_returned_message_is_published_again_then_dead_lettered() {
     }));
     let items = transaction(&cfg, &["m0", "m1", "m2"]);
     let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(600)).await;
-    assert!(r.is_ok(), "{:?}", r.err().map(|f| f.error.to_string()));
+    finished_ok(r);
     assert_eq!(fake.sent_to("m1"), ["ex", "ex", "ex", "dlx"]);
     assert_eq!(fake.sent_to("m0"), ["ex"]);
     assert_eq!(fake.sent_to("m2"), ["ex"]);
@@ -321,6 +330,7 @@ async fn a_returned_message_is_published_again_then_dead_lettered() {
     let items = transaction(&cfg, &["m0", "m1", "m2"]);
     let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(600)).await;
     let e = r
+        .expect("the run ends")
         .expect_err("a returned dead letter stops the publisher")
         .error;
     assert!(
@@ -349,7 +359,7 @@ async fn a_learnt_poison_event_is_dead_lettered_at_once() {
     let items = transaction(&cfg, &["m0", "m1", "m2"]);
     let (fake, lsn, r) =
         publish_learnt(&cfg, items, fake, Duration::from_secs(60), poisoned()).await;
-    assert!(r.is_ok(), "{:?}", r.err().map(|f| f.error.to_string()));
+    finished_ok(r);
     assert_eq!(fake.sent_to("m1"), ["dlx"]);
     assert_eq!(fake.published, ["m0", "m1", "m2"]);
     assert_eq!(lsn, Lsn(100));
@@ -360,6 +370,7 @@ async fn a_learnt_poison_event_is_dead_lettered_at_once() {
     let (fake, lsn, r) =
         publish_learnt(&cfg, items, fake, Duration::from_secs(60), poisoned()).await;
     let e = r
+        .expect("the run ends")
         .expect_err("poison without a dead-letter exchange stops")
         .error;
     assert!(e.to_string().contains("dead_letter_exchange"), "{e}");
@@ -368,30 +379,42 @@ async fn a_learnt_poison_event_is_dead_lettered_at_once() {
 }
 
 /// After a session ended on a refusal it could not pin on one message,
-/// the next publishes one message at a time (`careful_for`), so that a
-/// refusal names the right one; then the full window again.
+/// the next publishes its first `careful_for` messages each with nothing
+/// else unanswered, so that a refusal names the right one; then the full
+/// window again.
 #[tokio::test(start_paused = true)]
 async fn after_an_unexplained_refusal_messages_go_one_at_a_time() {
     let cfg = config(16);
-    let careful = || Refusals {
-        careful_for: 2,
-        ..Refusals::default()
+    let ids = ["m0", "m1", "m2", "m3", "m4"];
+    // Answers the first `acked` messages; the rest stay unanswered.
+    let run = |acked: usize| {
+        let cfg = &cfg;
+        async move {
+            let fake = Fake::new(Box::new(move |id, _, _| {
+                if ids[..acked].contains(&id) {
+                    Answer::Ack
+                } else {
+                    Answer::Silent
+                }
+            }));
+            let careful = Refusals {
+                careful_for: 3,
+                ..Refusals::default()
+            };
+            let items = transaction(cfg, &ids);
+            let (fake, _, r) =
+                publish_learnt(cfg, items, fake, Duration::from_millis(500), careful).await;
+            assert!(r.is_none(), "the run waits for answers");
+            fake.published
+        }
     };
-    let fake = Fake::new(Box::new(|_, _, _| Answer::Silent));
-    let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
-    let (fake, _, _) =
-        publish_learnt(&cfg, items, fake, Duration::from_millis(500), careful()).await;
-    assert_eq!(fake.published, ["m0"], "one at a time while careful");
-
-    // Answered: two go alone, then the rest together.
-    let fake = Fake::new(Box::new(|id, _, _| match id {
-        "m2" | "m3" => Answer::Silent,
-        _ => Answer::Ack,
-    }));
-    let items = transaction(&cfg, &["m0", "m1", "m2", "m3"]);
-    let (fake, _, _) =
-        publish_learnt(&cfg, items, fake, Duration::from_millis(500), careful()).await;
-    assert_eq!(fake.published, ["m0", "m1", "m2", "m3"]);
+    assert_eq!(run(0).await, ["m0"], "one at a time while careful");
+    assert_eq!(run(1).await, ["m0", "m1"]);
+    assert_eq!(
+        run(2).await,
+        ["m0", "m1", "m2", "m3", "m4"],
+        "careful for three"
+    );
 }
 
 /// A session that fails returns, with its error, the oldest message still
@@ -411,7 +434,9 @@ async fn a_failed_session_names_its_oldest_unconfirmed_message() {
         *end_lsn = Lsn(50);
     }
     let (_, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(60)).await;
-    let failed = r.expect_err("a lost connection ends the session");
+    let failed = r
+        .expect("the run ends")
+        .expect_err("a lost connection ends the session");
     assert!(matches!(
         failed.error,
         publisher::PublishError::Sink(SinkError::Disconnected)
