@@ -11,7 +11,7 @@ SERVERS := integration/servers.sh
 # `make test` runs the whole suite in two lanes, each with servers of its
 # own (integration/suite.sh). TEST_CMD narrows a run to one command against
 # one set of servers:
-#   make test TEST_CMD='cargo test --test chaos -- --nocapture'
+#   make test TEST_CMD='cargo test --test it -- chaos:: --nocapture'
 TEST_CMD ?=
 
 .PHONY: help build test demo bench deb lint clean soak check-seed

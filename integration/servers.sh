@@ -3,7 +3,7 @@
 #
 #   servers.sh install              apt-get install postgresql/rabbitmq-server (and
 #                                   prometheus, for promtool, and python3-yaml:
-#                                   tests/deploy.rs) if missing
+#                                   tests/it/deploy.rs) if missing
 #   servers.sh up DIR               start both servers under DIR, write DIR/env
 #   servers.sh down DIR             stop both servers, delete DIR
 #   servers.sh with CMD [ARGS...]   install + up + run CMD with DIR/env loaded + down
@@ -87,13 +87,13 @@ cmd_install() {
     have_pg || pkgs+=(postgresql)
     have_rabbitmq || pkgs+=(rabbitmq-server)
     command -v python3 >/dev/null || pkgs+=(python3)
-    # tests/deploy.rs reads the Kubernetes manifest with PyYAML.
+    # tests/it/deploy.rs reads the Kubernetes manifest with PyYAML.
     python3 -c 'import yaml' 2>/dev/null || pkgs+=(python3-yaml)
-    # tests/package.rs: building (objdump) and checking (systemd-analyze)
+    # tests/it/package.rs: building (objdump) and checking (systemd-analyze)
     # the Debian package.
     command -v objdump >/dev/null || pkgs+=(binutils)
     command -v systemd-analyze >/dev/null || pkgs+=(systemd)
-    # promtool checks and unit-tests deploy/prometheus (tests/deploy.rs).
+    # promtool checks and unit-tests deploy/prometheus (tests/it/deploy.rs).
     command -v promtool >/dev/null || pkgs+=(prometheus)
     ((${#pkgs[@]})) || return 0
 

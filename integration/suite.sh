@@ -7,11 +7,16 @@
 #
 #   integration/suite.sh            build, run both lanes, print both logs
 #
-# Lane A takes the test binaries named below (the longest ones, balanced
-# against the rest by their measured times); lane B the library's and the
-# binaries' unit tests, the examples, and every other tests/*.rs, so that a
-# new test binary runs without being listed here. Each lane's output goes to
-# target/suite/lane-{a,b}.log and is printed whole when both have finished.
+# The integration tests are one test binary (tests/it/main.rs), a module
+# per concern. Within a lane its modules run one after another (`cargo test
+# --test it -- <module>::`), each with four test threads, as separate
+# binaries did: a module serializes its own disruptive tests, and no other
+# module's tests run meanwhile. Lane A takes the modules named below (the
+# longest ones, balanced against the rest by their measured times); lane B
+# the library's and the binaries' unit tests, the examples, the checker,
+# and every other module of tests/it/, so that a new module runs without
+# being listed here. Each lane's output goes to target/suite/lane-{a,b}.log
+# and is printed whole when both have finished.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -19,21 +24,33 @@ LANE_A=(large_tx broker_alarm tls takeover package observability kill9 commands 
 
 log() { echo "suite.sh: $*" >&2; }
 
-# A test binary of lane A that no longer exists is a stale list, not a pass.
+# A module of lane A that no longer exists is a stale list, not a pass.
 for t in "${LANE_A[@]}"; do
-    [[ -f tests/$t.rs ]] || { log "error: LANE_A names tests/$t.rs, which does not exist"; exit 1; }
+    [[ -f tests/it/$t.rs ]] || { log "error: LANE_A names tests/it/$t.rs, which does not exist"; exit 1; }
 done
 
 lane_b=()
-for f in tests/*.rs; do
-    t=${f#tests/}
+for f in tests/it/*.rs; do
+    t=${f#tests/it/}
     t=${t%.rs}
+    [[ $t == main ]] && continue
     [[ " ${LANE_A[*]} " == *" $t "* ]] || lane_b+=("$t")
 done
 
+# Runs the named modules of tests/it one after another (each one's tests
+# with four threads); fails if any failed, after running them all.
+run_modules() {
+    local rc=0 m
+    for m in "$@"; do
+        cargo test --no-fail-fast --test it -- --test-threads=4 "$m::" || rc=1
+    done
+    return $rc
+}
+export -f run_modules
+
 # Build everything first, in the foreground, so that compile errors show
 # at once and the lanes only run. The example consumer also as a program
-# (tests/crash_windows.rs runs it), so that no test builds it mid-run.
+# (tests/it/crash_windows.rs runs it), so that no test builds it mid-run.
 integration/servers.sh install
 cargo test --all-targets --no-run
 cargo build --example consumer
@@ -47,24 +64,28 @@ export TEST_CONSUMER_BIN=${target_dir:-$PWD/target}/debug/examples/consumer
 # lane, or one lane's faults would reach the other's tests.
 if [[ -n ${TEST_PG_URL:-} && -n ${TEST_AMQP_URL:-} ]]; then
     log "TEST_PG_URL and TEST_AMQP_URL are set: one lane, on those servers"
-    exec cargo test --all-targets --no-fail-fast -- --test-threads=4
+    rc=0
+    cargo test --no-fail-fast --lib --bins --examples --test checker -- --test-threads=4 || rc=1
+    run_modules "${LANE_A[@]}" "${lane_b[@]}" || rc=1
+    exit $rc
 fi
 
 mkdir -p target/suite
 # The checker (checker/main.rs, not under tests/) runs in lane B.
-args_a=() args_b=(--lib --bins --examples --test checker)
-for t in "${LANE_A[@]}"; do args_a+=(--test "$t"); done
-for t in "${lane_b[@]}"; do args_b+=(--test "$t"); done
+lane_b_cmd='rc=0
+cargo test --no-fail-fast --lib --bins --examples --test checker -- --test-threads=4 || rc=1
+run_modules "$@" || rc=1
+exit $rc'
 
 started=$SECONDS
 pid_a="" pid_b=""
 # Ctrl-C or a TERM stops both lanes (each tears its servers down), and
 # waits for them to have done so.
 trap 'kill -TERM $pid_a $pid_b 2>/dev/null || true; wait || true; exit 143' INT TERM
-integration/servers.sh with cargo test --no-fail-fast "${args_a[@]}" -- --test-threads=4 \
+integration/servers.sh with bash -c 'run_modules "$@"' lane-a "${LANE_A[@]}" \
     >target/suite/lane-a.log 2>&1 </dev/null &
 pid_a=$!
-integration/servers.sh with cargo test --no-fail-fast "${args_b[@]}" -- --test-threads=4 \
+integration/servers.sh with bash -c "$lane_b_cmd" lane-b "${lane_b[@]}" \
     >target/suite/lane-b.log 2>&1 </dev/null &
 pid_b=$!
 log "lane A: ${LANE_A[*]}"
@@ -86,7 +107,7 @@ read -r passed failed < <(
         awk '{for (i = 1; i <= NF; i++) {if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i}} END {print p + 0, f + 0}'
 )
 echo "suite: lane A exit $rc_a, lane B exit $rc_b, $((SECONDS - started))s"
-# A test binary that crashed (an abort, a stack overflow) prints no result
+# A test run that crashed (an abort, a stack overflow) prints no result
 # line of its own: name it, so the count below is not taken for the whole.
 grep -h -E '^error: test failed|process didn.t exit successfully' \
     target/suite/lane-a.log target/suite/lane-b.log || true

@@ -2,7 +2,7 @@
 # Builds target/deb/outbox-relay_<version>_<arch>.deb around a relay binary:
 #   deploy/deb/build.sh [BINARY]     (default target/release/outbox-relay)
 # DEB_OUT: the output directory (target/deb); DEB_COMPRESS: xz (default) or
-# gzip (fast: tests/package.rs packages the debug binary).
+# gzip (fast: tests/it/package.rs packages the debug binary).
 # `make deb` builds the release binary first, and passes it and DEB_OUT
 # from cargo's target directory (CARGO_TARGET_DIR when set). Needs only dpkg-deb and
 # objdump (binutils): no cargo-deb, so `make test` can package too.

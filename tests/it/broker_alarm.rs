@@ -9,7 +9,7 @@
 //! Own test binary: the alarm is broker-wide, and cargo runs test binaries
 //! one after another; inside it, [`ALARM`] runs the tests one at a time.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -7,7 +7,7 @@
 //! The faults hit the whole broker, so the tests of this binary take turns
 //! (`SERIAL`); cargo runs test binaries one after another.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -12,7 +12,7 @@
 //! timing of the servers themselves still varies). `CHAOS_ONLY=<fault>`
 //! (e.g. `KillRelay`) keeps only that kind of fault, to see what it costs.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;

@@ -6,7 +6,7 @@
 //! take a base backup, nor write another slot's checkpoint, nor be steered
 //! by its search_path.
 
-mod common;
+use crate::common;
 
 use std::net::TcpListener;
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! `wal_level != logical`; bad configuration and a missing slot stop `run`
 //! with a message that names what to fix; passwords never appear.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -16,7 +16,7 @@ exchange = "outbox"
 "#;
 
 fn schema() -> serde_json::Value {
-    serde_json::from_str(include_str!("../schema/config.schema.json")).unwrap()
+    serde_json::from_str(include_str!("../../schema/config.schema.json")).unwrap()
 }
 
 fn load(text: &str) -> Result<Config, String> {
@@ -44,7 +44,7 @@ fn json_to_toml(v: &serde_json::Value) -> toml::Value {
 
 #[test]
 fn example_config_validates_and_loads() {
-    let text = include_str!("../examples/outbox-relay.toml");
+    let text = include_str!("../../examples/outbox-relay.toml");
     let as_json = serde_json::to_value(text.parse::<toml::Table>().unwrap()).unwrap();
     let v = jsonschema::validator_for(&schema()).unwrap();
     let errors: Vec<String> = v.iter_errors(&as_json).map(|e| e.to_string()).collect();

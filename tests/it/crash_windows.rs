@@ -13,7 +13,7 @@
 //! Each test prints the duplicate deliveries the consumer saw. The tests
 //! share the consumer's tables, so they take turns.
 
-mod common;
+use crate::common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -19,7 +19,7 @@
 //! which `integration/servers.sh install` installs; without them these
 //! tests fail.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Command, Output};

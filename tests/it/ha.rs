@@ -9,7 +9,7 @@
 //! The cluster test and the failover tests use servers of their own, but
 //! the cluster is shared by the faults of its one test, in turn.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! One test per binary phase, run in sequence: the measurements are about
 //! WAL written by the whole server.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

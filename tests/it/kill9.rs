@@ -1,7 +1,7 @@
 //! `kill -9` of the relay mid-stream, then a restart: every committed event
 //! arrives at least once (duplicates allowed, counted).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

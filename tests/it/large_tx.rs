@@ -2,7 +2,7 @@
 //! GiB of 1 MiB rows; the relay's peak RSS stays far below either: memory
 //! is bounded by the window, not by the transaction. Own test binary, so the figure is not disturbed.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //!
 //! Own binary: it closes every broker connection on purpose.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,8 +3,7 @@
 //! stream: events of a transaction that spans tables (and messages) are
 //! published in the order they were written.
 
-mod common;
-#[path = "outboxes/support.rs"]
+use crate::common;
 mod support;
 
 use std::collections::HashMap;

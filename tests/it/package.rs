@@ -11,7 +11,7 @@
 //! run that was killed before it could purge (its marker file says so):
 //! that leftover is purged first.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

@@ -11,7 +11,7 @@
 //! (b) and (c) take the whole server down, so the tests of this binary take
 //! turns (`SERIAL`).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //! the stream moves on. Without a dead-letter exchange, or when it refuses
 //! too, the relay stops with a clear error and nothing is dropped.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //! older rows the checkpoint does not cover yet; a dry run deletes nothing;
 //! the deletes never become messages.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -6,14 +6,10 @@
 //!
 //! Own binary: it changes a server-wide setting for a while.
 
-mod common;
-#[path = "recover/natural_end.rs"]
+use crate::common;
 mod natural_end;
-#[path = "recover/partitioned.rs"]
 mod partitioned;
-#[path = "recover/support.rs"]
 mod support;
-#[path = "recover/text_forms.rs"]
 mod text_forms;
 
 use std::time::Duration;
@@ -388,7 +384,7 @@ async fn a_session_finishes_a_recovery_recorded_meanwhile_before_streaming() {
 /// takes the last page, the small ones fill it and then go back to page 0).
 /// Re-read in `(created_at, ctid)` order they come out of order; with the
 /// table's identity column as `outbox.sequence`, in the order written.
-/// (Found by tests/ha.rs: a recovery after a failover sent seq 72 before
+/// (Found by tests/it/ha.rs: a recovery after a failover sent seq 72 before
 /// seq 71 of one transaction.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_column_keeps_a_transaction_s_rows_in_written_order() {

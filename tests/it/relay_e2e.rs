@@ -1,7 +1,7 @@
 //! End to end against real servers: concurrent producers, rollbacks, message
 //! format, per-aggregate order, restart from the slot.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! stands by (and keeps running); `kill -9` of the active one hands the slot
 //! to the standby within seconds, and every committed event arrives.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

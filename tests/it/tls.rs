@@ -12,10 +12,8 @@
 //! Here: end to end, and the broker's side; `tls/postgres.rs`: the
 //! PostgreSQL connections' cases.
 
-mod common;
-#[path = "tls/postgres.rs"]
+use crate::common;
 mod postgres;
-#[path = "tls/support.rs"]
 mod support;
 
 use std::time::Duration;

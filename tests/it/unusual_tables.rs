@@ -3,7 +3,7 @@
 //! must end with every outbox row relayed, or with the relay stopped and
 //! saying why: never with a row skipped while the slot moves past it.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! What the tests of several outboxes share (`tests/outboxes.rs`): writing
+//! What the tests of several outboxes share (`tests/it/outboxes.rs`): writing
 //! mixed transactions into tables and logical messages, checking what
 //! arrived, and rewriting the fixture's config for several outboxes.
 
@@ -59,7 +59,8 @@ pub async fn write_tx(
                     "event_type": "placed", "payload": payload,
                 });
                 let schema: serde_json::Value =
-                    serde_json::from_str(include_str!("../../schema/emitted.schema.json")).unwrap();
+                    serde_json::from_str(include_str!("../../../schema/emitted.schema.json"))
+                        .unwrap();
                 assert!(jsonschema::is_valid(&schema, &content), "{content}");
                 tx.execute(
                     "SELECT pg_logical_emit_message(true, $1, $2::text)",

@@ -1,4 +1,4 @@
-//! The end of a recovery pass is not a shutdown (`tests/recover.rs`): when
+//! The end of a recovery pass is not a shutdown (`tests/it/recover.rs`): when
 //! it has handed over its last row, its confirms are waited for within the
 //! confirm deadline, not the shutdown grace period, and an unfinished
 //! recovery never exits 0.

@@ -1,4 +1,4 @@
-//! Resuming a recovery of a partitioned outbox (`tests/recover.rs`): its
+//! Resuming a recovery of a partitioned outbox (`tests/it/recover.rs`): its
 //! partitions hand out the same ctids, and one transaction's rows share
 //! `created_at`, so a resume key without the partition ties with rows of
 //! the other partitions and skips them.

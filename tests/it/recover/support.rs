@@ -1,4 +1,4 @@
-//! What the recovery tests share (`tests/recover.rs`): a slot made lost
+//! What the recovery tests share (`tests/it/recover.rs`): a slot made lost
 //! for real, and its `wal_status`.
 
 use super::common::*;

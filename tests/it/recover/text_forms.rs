@@ -1,5 +1,5 @@
 //! Columns read back from the table come out as the stream sends them
-//! (`tests/recover.rs`): the text of the type's output function, whatever
+//! (`tests/it/recover.rs`): the text of the type's output function, whatever
 //! the type and the server's settings.
 
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! The PostgreSQL half of the TLS tests (`tests/tls.rs`): each sslmode on
+//! The PostgreSQL half of the TLS tests (`tests/it/tls.rs`): each sslmode on
 //! both connections, a server without TLS, a certificate from another
 //! trusted CA, and `hostaddr`. These need no broker: the relay's
 //! `rabbitmq.url` points where nobody listens.

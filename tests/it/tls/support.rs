@@ -1,4 +1,4 @@
-//! Servers, certificates and relay helpers for the TLS tests (`tests/tls.rs`).
+//! Servers, certificates and relay helpers for the TLS tests (`tests/it/tls.rs`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
