@@ -33,8 +33,9 @@ pub struct Hold {
     /// The publication lists it under its own name (rows of a partitioned
     /// table then come as its own).
     pub listed: bool,
-    /// The publication lists it or one of its partitions: its inserts are
-    /// decoded.
+    /// Every partition's inserts are published (the table itself, or each
+    /// leaf partition through itself or a partitioned table above it):
+    /// none is left out of the stream.
     pub covered: bool,
     /// A row filter or a column list on it or a partition: (the relation
     /// it is set on, which).
@@ -115,17 +116,29 @@ async fn hold(
         return Ok(hold);
     };
     // By relation id: a table renamed since is still the one the relay
-    // follows.
+    // follows. A leaf is published when the publication lists it or a
+    // partitioned table above it (with publish_via_partition_root it lists
+    // the topmost one it holds, else the leaves); a plain table, or a
+    // partitioned one with no partition yet, is its own leaf.
+    // (pg_partition_tree and pg_partition_ancestors return nothing for a
+    // plain table.) One partition left out
+    // (`FOR TABLE outbox_2024` only) would lose the others' rows.
     let row = client
         .query_one(
             "WITH listed AS (SELECT c.oid FROM pg_publication_tables pt \
                JOIN pg_namespace n ON n.nspname = pt.schemaname \
                JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
-               WHERE pt.pubname = $1) \
+               WHERE pt.pubname = $1), \
+             tree AS (SELECT relid, parentrelid FROM pg_partition_tree($2::oid::regclass)), \
+             nodes AS (SELECT $2::oid AS relid UNION SELECT relid FROM tree), \
+             leaves AS (SELECT n.relid FROM nodes n \
+               WHERE NOT EXISTS (SELECT 1 FROM tree t WHERE t.parentrelid = n.relid)) \
              SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = $2), false), \
                EXISTS (SELECT 1 FROM listed WHERE oid = $2), \
-               EXISTS (SELECT 1 FROM listed WHERE oid = $2 OR oid IN ( \
-                 SELECT t.relid FROM pg_partition_tree($2::oid::regclass) t))",
+               EXISTS (SELECT 1 FROM pg_class WHERE oid = $2) AND NOT EXISTS ( \
+                 SELECT 1 FROM leaves l WHERE NOT EXISTS (SELECT 1 FROM listed \
+                   WHERE listed.oid = l.relid OR listed.oid IN ( \
+                     SELECT a.relid FROM pg_partition_ancestors(l.relid) a)))",
             &[&publication, &root],
         )
         .await?;
@@ -172,7 +185,8 @@ impl PublicationInfo {
     /// streams every outbox row whole.
     pub fn problems(&self) -> Vec<PublicationProblem> {
         let mut found = Vec::new();
-        if !self.inserts {
+        // Table-less outboxes only: logical messages need no inserts.
+        if !self.inserts && !self.tables.is_empty() {
             found.push(PublicationProblem::NoInserts);
         }
         for h in &self.tables {
@@ -221,8 +235,9 @@ impl PublicationProblem {
                 format!("does not cover {t}, which does not exist (see the outbox table check)")
             }
             PublicationProblem::NotCovered(t) => format!(
-                "does not cover {t} (was the table dropped and created again?): run \
-                 `outbox-relay setup` (or: ALTER PUBLICATION {q} ADD TABLE {}), {lost}",
+                "does not cover {t} (was the table dropped and created again, or are only \
+                 some of its partitions published?): run `outbox-relay setup` (or: ALTER \
+                 PUBLICATION {q} ADD TABLE {}), {lost}",
                 t.quoted()
             ),
             PublicationProblem::PartitionsByOwnName(t) => format!(
@@ -310,6 +325,12 @@ mod tests {
                 && said.contains("SET TABLE \"public\".\"outbox\""),
             "{said}"
         );
+
+        // Table-less outboxes only: a publication without inserts will do.
+        let mut p = healthy();
+        p.inserts = false;
+        p.tables.clear();
+        assert!(p.problems().is_empty());
 
         let said = PublicationProblem::NotCovered(table("outbox")).sentence("p");
         assert!(

@@ -671,6 +671,46 @@ async fn a_row_filter_or_column_list_is_refused() {
     f.cleanup().await;
 }
 
+/// A publication that holds only some partitions of a partitioned outbox
+/// (`FOR TABLE outbox_orders`) would never carry the other partitions'
+/// rows, and the slot would move past them: `run` refuses it, naming the
+/// table, and `check` fails on it; nothing streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_of_some_partitions_only_is_refused() {
+    let f = Fixture::with_ddl("somepartitions", "", &partitioned()).await;
+    let pg = pg_connect().await;
+    let before = f.confirmed_flush_lsn(&pg).await;
+    pg.batch_execute(&format!(
+        "ALTER PUBLICATION \"{}\" SET TABLE public.\"{}_orders\"",
+        f.publication, f.table
+    ))
+    .await
+    .unwrap();
+    f.insert(&pg, "customer", "a", "e", &json!({})).await;
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(
+        !status.success(),
+        "run streamed with one partition published: {log}"
+    );
+    assert!(
+        log.contains("does not cover") && log.contains(&f.table),
+        "{log}"
+    );
+    let out = f.relay_cmd("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL publication") && l.contains("does not cover")),
+        "{stdout}"
+    );
+    let after = f.confirmed_flush_lsn(&pg).await;
+    assert_eq!(before, after, "the slot moved while the relay refused");
+    f.cleanup().await;
+}
+
 /// The pid of the walsender streaming the fixture's slot.
 async fn fx_walsender(f: &Fixture, pg: &tokio_postgres::Client) -> i32 {
     for _ in 0..100 {
