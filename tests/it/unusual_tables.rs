@@ -490,10 +490,24 @@ async fn an_insert_into_another_published_table_stops_the_relay() {
     let mut relay = f.spawn_relay();
     let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
     f.expect_delivered(&[first], &relay).await;
-    let before_foreign = wal_insert_lsn(&pg).await;
-    pg.batch_execute(&format!("INSERT INTO {other} VALUES (1)"))
+    // The bound: a position inside the foreign transaction, before its
+    // commit record. (Not one read before it: other tests write WAL
+    // meanwhile, and a keepalive past their records, still before the
+    // foreign commit, may rightly be confirmed.)
+    let before_foreign: String = pg
+        .simple_query(&format!(
+            "BEGIN; INSERT INTO {other} VALUES (1); \
+             SELECT pg_current_wal_insert_lsn()::text; COMMIT"
+        ))
         .await
+        .unwrap()
+        .into_iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
         .unwrap();
+    let before_foreign: outbox_relay::lsn::Lsn = before_foreign.parse().unwrap();
     let behind = f.insert(&pg, "order", "o-2", "shipped", &json!({})).await;
 
     let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
