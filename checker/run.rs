@@ -68,9 +68,20 @@ const RUN_BOUND: Duration = Duration::from_secs(900);
 
 /// [`run`], failed when it passes [`RUN_BOUND`].
 pub async fn bounded(s: &Schedule) -> Report {
-    match tokio::time::timeout(RUN_BOUND, run(s)).await {
+    let mut running = Box::pin(run(s));
+    match tokio::time::timeout(RUN_BOUND, &mut running).await {
         Ok(r) => r,
         Err(_) => {
+            // The relay's logs, before the run (and its directory) goes.
+            if let Some((dir, p)) = crate::world::CURRENT.lock().unwrap().clone() {
+                let kept = crate::out_dir().join(format!("run-{}-{p}-hang", s.seed));
+                let _ = std::fs::create_dir_all(&kept);
+                for f in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                    let _ = std::fs::copy(f.path(), kept.join(f.file_name()));
+                }
+                println!("checker: the relay's logs are in {}", kept.display());
+            }
+            drop(running);
             // Not left in force for the next run.
             crate::nemesis::let_go().await;
             Report {
@@ -108,6 +119,8 @@ async fn run(s: &Schedule) -> Report {
         for (gap, f) in &s.faults {
             tokio::time::sleep(Duration::from_millis(u64::from(*gap))).await;
             timeline.push((Instant::now(), f.kind()));
+            // Where a run that hangs got to.
+            println!("checker: +{:.1}s {f}", started.elapsed().as_secs_f64());
             // A bounded queue fills whenever the consumer lags; a nack
             // the relay never heard (its connection cut, the relay killed
             // or restarted) leaves no log line, yet its replay comes after
@@ -119,6 +132,10 @@ async fn run(s: &Schedule) -> Report {
             if let Err(e) = inflict(&w, &sup, &consumer, f).await {
                 failures.push(format!("{f}: {e}"));
             }
+            println!(
+                "checker: +{:.1}s {f}: over",
+                started.elapsed().as_secs_f64()
+            );
         }
         faults_done.store(true, std::sync::atomic::Ordering::SeqCst);
         failures
@@ -183,6 +200,10 @@ async fn run(s: &Schedule) -> Report {
     }
 
     // Drain: the supervisor still restarts a relay that stops.
+    println!(
+        "checker: +{:.1}s faults and writers done; draining",
+        started.elapsed().as_secs_f64()
+    );
     let drain = Instant::now();
     let sup_done = CancellationToken::new();
     let d = tokio::join!(
@@ -194,6 +215,10 @@ async fn run(s: &Schedule) -> Report {
         supervise(&w, &sup, &sup_done)
     )
     .0;
+    println!(
+        "checker: +{:.1}s drain over",
+        started.elapsed().as_secs_f64()
+    );
     report.drain_secs = d.drained.unwrap_or_else(|| drain.elapsed()).as_secs_f64();
     report.drain_phases = (d.writers.as_secs_f64(), d.read.as_secs_f64());
     let (record, confirmed) = (d.record, d.confirmed);

@@ -24,6 +24,10 @@ pub const TYPES: [&str; 3] = ["order", "user", "late"];
 /// Aggregates shared by every producer (the order oracle's unit).
 pub const AGGREGATES: u64 = 6;
 
+/// The running world's directory and prefix: what a run that hangs keeps.
+pub static CURRENT: std::sync::Mutex<Option<(std::path::PathBuf, String)>> =
+    std::sync::Mutex::new(None);
+
 pub struct World {
     /// Every object's name starts with it.
     pub p: String,
@@ -77,6 +81,7 @@ impl World {
         let pg_proxy = Proxy::start(addr_of(&pg_url())).await;
         let amqp_proxy = Proxy::start(addr_of(&amqp_url())).await;
         let dir = tempfile::tempdir().unwrap();
+        *CURRENT.lock().unwrap() = Some((dir.path().to_owned(), p.clone()));
         let w = World {
             shape: setup.shape,
             record: format!("{p}_rec"),
