@@ -280,7 +280,7 @@ impl RawConfig {
                     "expected a URL of the form amqp://user:password@host:port/vhost",
                 ));
             }
-            crate::sink::parse_amqp_url(url)
+            crate::amqpurl::parse_amqp_url(url)
                 .map_err(|_| key_err("rabbitmq.url", format!("is {NOT_A_URL}")))?;
         }
         let any_amqps = urls.iter().any(|u| u.starts_with("amqps://"));

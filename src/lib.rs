@@ -38,6 +38,7 @@
 
 #![forbid(unsafe_code)]
 
+pub(crate) mod amqpurl;
 pub mod check;
 pub(crate) mod checkpoint;
 pub mod cli;

@@ -67,7 +67,7 @@ fn shown_postgres(url: &str) -> Option<String> {
 
 /// As the relay's AMQP client reads it.
 fn shown_amqp(url: &str) -> Option<String> {
-    let uri = crate::sink::parse_amqp_url(url).ok()?;
+    let uri = crate::amqpurl::parse_amqp_url(url).ok()?;
     let host = &uri.authority.host;
     let host = if host.contains(':') {
         format!("[{host}]")
@@ -271,7 +271,7 @@ mod tests {
         #[test]
         fn no_amqp_url_prints_the_password_sent(url in amqp_url()) {
             let shown = shown_url(&url);
-            match crate::sink::parse_amqp_url(&url) {
+            match crate::amqpurl::parse_amqp_url(&url) {
                 Ok(uri) => {
                     let sent = &uri.authority.userinfo.password;
                     prop_assert!(shown.starts_with("amqp"), "{url} -> {shown}");

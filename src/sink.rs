@@ -22,6 +22,7 @@ pub use unconfirmed::Unconfirmed;
 
 use std::time::Duration;
 
+use crate::amqpurl::parse_amqp_url;
 use crate::config::{RabbitmqConfig, shown_url};
 use crate::message::{Envelope, MessageView};
 use crate::redact::NOT_A_URL;
@@ -141,22 +142,6 @@ impl SinkError {
             Disposition::Stop | Disposition::RefusedExchange(_)
         )
     }
-}
-
-/// Parses `rabbitmq.url`. amq-protocol-uri reads the host with
-/// `Url::domain`, which is `None` for an IPv6 literal, and then puts
-/// "localhost" in its place (`amqp://[2001:db8::7]/` would connect to this
-/// machine): the host is taken from the URL here (an IPv6 address without
-/// its brackets, as sockets and TLS server names want it).
-pub fn parse_amqp_url(url: &str) -> Result<amq_protocol::uri::AMQPUri, String> {
-    let mut uri: amq_protocol::uri::AMQPUri = url.parse()?;
-    let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
-    match parsed.host() {
-        Some(url::Host::Domain(_)) | None => {}
-        Some(url::Host::Ipv4(ip)) => uri.authority.host = ip.to_string(),
-        Some(url::Host::Ipv6(ip)) => uri.authority.host = ip.to_string(),
-    }
-    Ok(uri)
 }
 
 /// Deadline for connecting and for each control call.

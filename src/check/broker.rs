@@ -55,7 +55,7 @@ pub(super) fn describe_amqp_error(e: &SinkError, user: &str, vhost: &str) -> Str
 /// machine: AMQP logs in with SASL PLAIN, so the password crosses the
 /// network as it is, and every event with it.
 pub(super) fn broker_in_the_clear(url: &str) -> Option<Line> {
-    let uri = crate::sink::parse_amqp_url(url).ok()?;
+    let uri = crate::amqpurl::parse_amqp_url(url).ok()?;
     if uri.scheme != amq_protocol::uri::AMQPScheme::AMQP {
         return None;
     }
@@ -79,7 +79,7 @@ pub(super) fn broker_in_the_clear(url: &str) -> Option<Line> {
 pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<AmqpSink>) {
     let url = cfg.rabbitmq.urls[node].expose();
     let what = format!("RabbitMQ reachable at {}", shown_url(url));
-    let uri = match crate::sink::parse_amqp_url(url) {
+    let uri = match crate::amqpurl::parse_amqp_url(url) {
         Ok(u) => u,
         Err(_) => return (Line::fail(what, crate::redact::NOT_A_URL), None),
     };

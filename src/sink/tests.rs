@@ -1,20 +1,6 @@
 //! The sink's unit tests: URLs, the unconfirmed window, error dispositions.
 
 #[test]
-fn an_ip_address_in_the_url_is_the_host_connected_to() {
-    let host = |u: &str| parse_amqp_url(u).unwrap().authority.host;
-    assert_eq!(host("amqp://u:p@10.0.0.5:5673/v"), "10.0.0.5");
-    assert_eq!(host("amqp://[::1]/"), "::1");
-    assert_eq!(host("amqps://[2001:db8::7]:5671/%2f"), "2001:db8::7");
-    assert_eq!(host("amqp://rabbit.example/"), "rabbit.example");
-    assert_eq!(host("amqp://rabbit%2dx.example/"), "rabbit-x.example");
-    let uri = parse_amqp_url("amqp://u:p@127.0.0.2:5999/v?frame_max=4096").unwrap();
-    assert_eq!(uri.authority.port, 5999);
-    assert_eq!(uri.vhost, "v");
-    assert_eq!(uri.query.frame_max, Some(4096));
-}
-
-#[test]
 fn the_missing_exchange_is_read_from_the_404() {
     let closed = |code, text: &str| SinkError::Amqp {
         what: "publishing",

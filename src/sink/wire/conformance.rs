@@ -278,7 +278,7 @@ async fn the_connection_has_tcp_keepalive() {
             .to_owned();
         assert_eq!(timer, "02", "{line}");
     });
-    let uri = crate::sink::parse_amqp_url(&format!("amqp://u:p@127.0.0.1:{port}/v")).unwrap();
+    let uri = crate::amqpurl::parse_amqp_url(&format!("amqp://u:p@127.0.0.1:{port}/v")).unwrap();
     let t = Target {
         uri,
         tls: None,

@@ -142,7 +142,7 @@ fn feed_from(bytes: Vec<u8>, handshake: bool, end: End) -> Option<(usize, WireEr
         };
         let mut w = if handshake {
             let target = Target {
-                uri: crate::sink::parse_amqp_url("amqp://u:p@fuzz/v").unwrap(),
+                uri: crate::amqpurl::parse_amqp_url("amqp://u:p@fuzz/v").unwrap(),
                 tls: None,
                 connection_name: "fuzz".into(),
             };

@@ -77,7 +77,7 @@ fn handshake_after(frame: Vec<u8>) -> WireError {
             theirs.write_all(&frame).await.unwrap();
             theirs.shutdown().await.unwrap();
             let target = Target {
-                uri: crate::sink::parse_amqp_url("amqp://u:p@deep/v").unwrap(),
+                uri: crate::amqpurl::parse_amqp_url("amqp://u:p@deep/v").unwrap(),
                 tls: None,
                 connection_name: "deep".into(),
             };

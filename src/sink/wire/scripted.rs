@@ -225,7 +225,7 @@ where
     } else {
         host.to_owned()
     };
-    let uri = crate::sink::parse_amqp_url(&format!("amqp://u:p@{in_url}:{port}/v")).unwrap();
+    let uri = crate::amqpurl::parse_amqp_url(&format!("amqp://u:p@{in_url}:{port}/v")).unwrap();
     let target = Target {
         uri,
         tls: None,

@@ -143,7 +143,7 @@ where
             .unwrap();
         script(Peer::new(tls)).await;
     });
-    let uri = crate::sink::parse_amqp_url(&format!("amqps://u:p@localhost:{port}/v")).unwrap();
+    let uri = crate::amqpurl::parse_amqp_url(&format!("amqps://u:p@localhost:{port}/v")).unwrap();
     let target = Target {
         uri,
         tls: Some(roots),
