@@ -122,7 +122,11 @@ async fn hold(
     // partitioned one with no partition yet, is its own leaf.
     // (pg_partition_tree and pg_partition_ancestors return nothing for a
     // plain table.) One partition left out
-    // (`FOR TABLE outbox_2024` only) would lose the others' rows.
+    // (`FOR TABLE outbox_2024` only) would lose the others' rows. Only
+    // ancestors within the outbox's own tree count: a table above it
+    // listed with publish_via_partition_root sends the rows under its own
+    // relation id, which is not the outbox's (the stream would stop at
+    // the first row); without it, the leaves are listed themselves.
     let row = client
         .query_one(
             "WITH listed AS (SELECT c.oid FROM pg_publication_tables pt \
@@ -138,7 +142,8 @@ async fn hold(
                EXISTS (SELECT 1 FROM pg_class WHERE oid = $2) AND NOT EXISTS ( \
                  SELECT 1 FROM leaves l WHERE NOT EXISTS (SELECT 1 FROM listed \
                    WHERE listed.oid = l.relid OR listed.oid IN ( \
-                     SELECT a.relid FROM pg_partition_ancestors(l.relid) a)))",
+                     SELECT a.relid FROM pg_partition_ancestors(l.relid) a \
+                     WHERE a.relid IN (SELECT relid FROM nodes))))",
             &[&publication, &root],
         )
         .await?;

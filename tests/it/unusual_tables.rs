@@ -725,6 +725,99 @@ async fn a_publication_of_some_partitions_only_is_refused() {
     f.cleanup().await;
 }
 
+/// An outbox that is itself a partition of a larger table, published only
+/// through that table's root (`publish_via_partition_root`): its rows
+/// would come under the other table's relation id. Refused by run and
+/// check alike, before the slot moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_published_through_a_root_above_it_is_refused() {
+    let f = Fixture::new("aboveroot").await;
+    let pg = pg_connect().await;
+    let before = f.confirmed_flush_lsn(&pg).await;
+    pg.batch_execute(&format!(
+        "CREATE TABLE {0}_top (LIKE {0}) PARTITION BY LIST (aggregate_type); \
+         ALTER TABLE {0}_top ATTACH PARTITION {0} FOR VALUES IN ('order'); \
+         ALTER PUBLICATION \"{1}\" SET TABLE {0}_top; \
+         ALTER PUBLICATION \"{1}\" SET (publish_via_partition_root = true)",
+        f.table, f.publication
+    ))
+    .await
+    .unwrap();
+    f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("does not cover") && log.contains(&f.table),
+        "{log}"
+    );
+    let out = f.relay_cmd("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL publication") && l.contains("does not cover")),
+        "{stdout}"
+    );
+    let after = f.confirmed_flush_lsn(&pg).await;
+    assert_eq!(before, after, "the slot moved while the relay refused");
+    f.cleanup().await;
+}
+
+/// A publication that lists the partitions by name, and not the table:
+/// the relay streams while it covers every one, and stops, before the slot
+/// passes it, when a partition is created that it does not list (its rows
+/// would never be decoded), naming what to add.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_created_outside_a_publication_of_partitions_stops_the_relay() {
+    let mut f = Fixture::with_ddl("newpartition", "", &partitioned()).await;
+    let pg = pg_connect().await;
+    pg.batch_execute(&format!(
+        "ALTER PUBLICATION \"{0}\" SET TABLE public.\"{1}_orders\", public.\"{1}_rest\"",
+        f.publication, f.table
+    ))
+    .await
+    .unwrap();
+    f.start_consumer().await;
+    let mut relay = f.spawn_relay();
+    let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    f.expect_delivered(&[first], &relay).await;
+    pg.batch_execute(&format!(
+        "CREATE TABLE {0}_users PARTITION OF {0} FOR VALUES IN ('account')",
+        f.table
+    ))
+    .await
+    .unwrap();
+    // The bound: a position before the new partition's row.
+    let before: String = pg
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let before: outbox_relay::lsn::Lsn = before.parse().unwrap();
+    f.insert(&pg, "account", "u-1", "opened", &json!({})).await;
+    // Later rows, in a published partition, and WAL besides: a relay that
+    // did not notice would confirm past the lost row.
+    f.insert(&pg, "order", "o-2", "shipped", &json!({})).await;
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("a partition of outbox table")
+            && log.contains("not in publication")
+            && log.contains("republish --since"),
+        "{log}"
+    );
+    // (The later row may have been published before the relay noticed: the
+    // slot is what must not move.)
+    let confirmed = f.confirmed_flush_lsn(&pg).await;
+    assert!(
+        confirmed <= before,
+        "the slot moved past the unpublished partition's row: {confirmed} > {before}"
+    );
+    f.cleanup().await;
+}
+
 /// The pid of the walsender streaming the fixture's slot.
 async fn fx_walsender(f: &Fixture, pg: &tokio_postgres::Client) -> i32 {
     for _ in 0..100 {
