@@ -73,10 +73,15 @@ pub async fn bounded(s: &Schedule) -> Report {
         Ok(r) => r,
         Err(_) => {
             // The relay's logs, before the run (and its directory) goes.
-            if let Some((dir, p)) = crate::world::CURRENT.lock().unwrap().clone() {
+            // Not its configuration: it holds the servers' passwords.
+            let taken = crate::world::CURRENT.lock().unwrap().take();
+            if let Some((dir, p)) = taken {
                 let kept = crate::out_dir().join(format!("run-{}-{p}-hang", s.seed));
                 let _ = std::fs::create_dir_all(&kept);
                 for f in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                    if f.path().extension().is_some_and(|x| x == "toml") {
+                        continue;
+                    }
                     let _ = std::fs::copy(f.path(), kept.join(f.file_name()));
                 }
                 println!("checker: the relay's logs are in {}", kept.display());

@@ -327,6 +327,8 @@ listen = "127.0.0.1:0"
 
     /// Drops what the run made (the observer slot included).
     pub async fn cleanup(&self) {
+        // A later hang must not point at this run's directory.
+        CURRENT.lock().unwrap().take();
         let pg = pg_connect_retry().await;
         for slot in [&self.slot, &self.observer] {
             for _ in 0..50 {
