@@ -412,9 +412,15 @@ pub async fn start_replication(
 }
 
 /// The server's refusal of START_REPLICATION for a slot that does not
-/// exist (`replication slot "x" does not exist`, SQLSTATE 42704).
+/// exist (`replication slot "x" does not exist`, SQLSTATE 42704): by its
+/// English text, or, in any `lc_messages`, by its code and the slot's name
+/// (quoted as the language quotes). (A slot taken for missing that exists
+/// costs a recovery that finds it healthy; one missed costs the remedy.)
 fn slot_missing(msg: &str, slot: &str) -> bool {
     msg.contains(&format!("replication slot \"{slot}\" does not exist"))
+        || (msg.ends_with("(SQLSTATE 42704)")
+            && !msg.starts_with("publication ")
+            && msg.contains(slot))
 }
 
 async fn open_replication(
@@ -558,6 +564,18 @@ mod tests {
             "publication \"outbox_relay\" does not exist",
             "outbox_relay"
         ));
+        // As pgwire-replication words it, and in another language.
+        let code = "replication slot \"outbox_relay\" does not exist (SQLSTATE 42704)";
+        assert!(slot_missing(code, "outbox_relay"));
+        let de = "Replikations-Slot »outbox_relay« existiert nicht (SQLSTATE 42704)";
+        assert!(slot_missing(de, "outbox_relay"));
+        assert!(!slot_missing(de, "other"));
+        assert!(!slot_missing(
+            "publication \"outbox_relay\" does not exist (SQLSTATE 42704)",
+            "outbox_relay"
+        ));
+        let other = "Replikations-Slot »outbox_relay« ist aktiv (SQLSTATE 55006)";
+        assert!(!slot_missing(other, "outbox_relay"));
         let e = slot::SlotProblem::Missing.error("outbox_relay");
         assert!(matches!(&e, SourceError::SlotLost(t) if t.contains("outbox-relay recover")));
     }
