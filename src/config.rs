@@ -42,6 +42,9 @@ const ENV_RESERVED: &[&str] = &[
 ];
 
 /// Sections of the file, in the order the README documents them.
+/// Most publishing channels (`rabbitmq.channels`): a connection each.
+const MAX_CHANNELS: u64 = 16;
+
 const SECTIONS: &[&str] = &["postgres", "outbox", "rabbitmq", "http"];
 
 /// Why the configuration was refused. Every variant names the key to fix.
@@ -328,6 +331,12 @@ impl RawConfig {
                 "expected an integer between 1 and 65535",
             ));
         }
+        if !(1..=MAX_CHANNELS).contains(&r.channels) {
+            return Err(key_err(
+                "rabbitmq.channels",
+                format!("expected an integer between 1 and {MAX_CHANNELS}"),
+            ));
+        }
         if !((64 * 1024)..=(16 * 1024 * 1024 * 1024)).contains(&r.window_bytes) {
             return Err(key_err(
                 "rabbitmq.window_bytes",
@@ -435,6 +444,7 @@ impl RawConfig {
                 exchange_pattern,
                 routing_key,
                 window: r.window as usize,
+                channels: r.channels as usize,
                 window_bytes: r.window_bytes as usize,
                 confirm_timeout: Duration::from_secs(r.confirm_timeout_secs),
                 dead_letter_exchange,

@@ -53,6 +53,8 @@ pub(super) struct RawRabbitmq {
     pub(super) routing_key: String,
     #[serde(default = "default_window", deserialize_with = "de_u64")]
     pub(super) window: u64,
+    #[serde(default = "default_channels", deserialize_with = "de_u64")]
+    pub(super) channels: u64,
     #[serde(default = "default_window_bytes", deserialize_with = "de_u64")]
     pub(super) window_bytes: u64,
     #[serde(default = "default_confirm_timeout_secs", deserialize_with = "de_u64")]
@@ -142,6 +144,9 @@ pub(super) fn default_routing_key() -> String {
 }
 pub(super) fn default_window() -> u64 {
     1024
+}
+pub(super) fn default_channels() -> u64 {
+    1
 }
 /// Bytes of rows awaiting a confirm at once: with 1 MiB rows, 32 of them.
 pub(super) fn default_window_bytes() -> u64 {

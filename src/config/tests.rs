@@ -83,6 +83,8 @@ fn bad_values_are_named_with_what_was_expected() {
     let cases: &[(&str, &str, &str)] = &[
         ("OUTBOX_RELAY_RABBITMQ_WINDOW", "0", "rabbitmq.window"),
         ("OUTBOX_RELAY_RABBITMQ_WINDOW", "lots", "rabbitmq.window"),
+        ("OUTBOX_RELAY_RABBITMQ_CHANNELS", "0", "rabbitmq.channels"),
+        ("OUTBOX_RELAY_RABBITMQ_CHANNELS", "17", "between 1 and 16"),
         ("OUTBOX_RELAY_POSTGRES_URL", "mysql://x", "postgres.url"),
         ("OUTBOX_RELAY_RABBITMQ_URL", "http://x", "rabbitmq.url"),
         ("OUTBOX_RELAY_HTTP_LISTEN", "nowhere", "http.listen"),
@@ -98,6 +100,9 @@ fn bad_values_are_named_with_what_was_expected() {
         let err = load(MINIMAL, &[(var, value)]).unwrap_err().to_string();
         assert!(err.contains(key), "{var}={value}: {err}");
     }
+    let four = load(MINIMAL, &[("OUTBOX_RELAY_RABBITMQ_CHANNELS", "4")]).unwrap();
+    assert_eq!(four.rabbitmq.channels, 4);
+    assert_eq!(load(MINIMAL, &[]).unwrap().rabbitmq.channels, 1);
     let text = MINIMAL.replace("exchange = \"outbox\"", "");
     let err = load(&text, &[]).unwrap_err().to_string();
     assert!(err.contains("exchange"), "{err}");

@@ -104,8 +104,11 @@ pub struct RabbitmqConfig {
     pub exchange_pattern: Option<regex::Regex>,
     /// Routing key template.
     pub routing_key: Template,
-    /// Most publishes awaiting a confirm at once.
+    /// Most publishes awaiting a confirm at once, on each channel.
     pub window: usize,
+    /// Publishing channels (a connection each); an event's aggregate picks
+    /// its channel.
+    pub channels: usize,
     /// Most bytes of rows awaiting a confirm at once (one message is always
     /// allowed, however large).
     pub window_bytes: usize,

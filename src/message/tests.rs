@@ -16,6 +16,7 @@ fn rabbit(exchange: &str, rk: &str) -> RabbitmqConfig {
         exchange_pattern: None,
         routing_key: Template::parse(rk).unwrap(),
         window: 10,
+        channels: 1,
         window_bytes: 32 << 20,
         confirm_timeout: Duration::from_secs(1),
         dead_letter_exchange: None,

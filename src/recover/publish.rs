@@ -152,7 +152,7 @@ where
     };
     let publish = async {
         let r = publisher::run(
-            &mut sink,
+            std::slice::from_mut(&mut sink),
             rx,
             &wm_tx,
             publisher::Publishing {
@@ -207,7 +207,7 @@ where
     save(done.clone()).await;
     let (failed, head) = match published {
         Ok(()) => (read_err.map(RelayError::from), None),
-        Err(publisher::Failed { error, head }) => (Some(error.into()), head),
+        Err(publisher::Failed { error, head, .. }) => (Some(error.into()), head),
     };
     Pass { done, failed, head }
 }

@@ -90,7 +90,7 @@ pub(super) struct Session {
     oids: Vec<Option<OutboxOids>>,
     coverage: Coverage,
     silence_limit: Duration,
-    sink: AmqpSink,
+    sinks: Vec<AmqpSink>,
     repl: ReplicationClient,
 }
 
@@ -154,7 +154,7 @@ impl Session {
             silence::limit(&sql, &cfg.postgres),
         )
         .await?;
-        let sink = open_broker(cfg, memory).await?;
+        let sinks = open_broker(cfg, memory).await?;
         // Last, so that a broker that is down costs no walsender. (Its
         // connect has a deadline; an AMQP heartbeat interval above a few
         // seconds outlasts it.)
@@ -170,7 +170,7 @@ impl Session {
             oids,
             coverage,
             silence_limit,
-            sink,
+            sinks,
             repl,
         })
     }
@@ -192,7 +192,7 @@ impl Session {
             oids,
             coverage,
             silence_limit,
-            mut sink,
+            mut sinks,
             mut repl,
         } = self;
         info!(slot = %cfg.postgres.slot, lsn = %start, "streaming from LSN");
@@ -271,19 +271,21 @@ impl Session {
             metrics,
         };
         let sink_half = async {
-            let r = publisher::run(&mut sink, items_rx, &wm_tx, publishing, &stop).await;
+            let r = publisher::run(&mut sinks, items_rx, &wm_tx, publishing, &stop).await;
             // Whatever ends the sink ends the session: stop reading WAL.
             stop.cancel();
             r
         };
         let (source_res, sink_res) = tokio::join!(source, sink_half);
         metrics.streaming.set(0);
-        let (sink_res, head) = match sink_res {
-            Ok(()) => (Ok(()), None),
-            Err(publisher::Failed { error, head }) => (Err(RelayError::from(error)), head),
+        let (sink_res, head, lane) = match sink_res {
+            Ok(()) => (Ok(()), None, None),
+            Err(publisher::Failed { error, head, lane }) => {
+                (Err(RelayError::from(error)), head, lane)
+            }
         };
         if sink_res.is_err() && !shutdown.is_cancelled() {
-            memory.nodes.failed(sink.node());
+            memory.nodes.failed(sinks[lane.unwrap_or(0)].node());
         }
 
         // The gate's last word: the position it vouches for, or why none.
@@ -307,9 +309,9 @@ impl Session {
             &sink_res,
             Err(RelayError::Sink(SinkError::ConfirmTimeout { .. }))
         ) {
-            drop(sink);
+            drop(sinks);
         } else {
-            sink.close().await;
+            futures_util::future::join_all(sinks.into_iter().map(AmqpSink::close)).await;
         }
         stop.cancel();
         let _ = side.await;
@@ -467,12 +469,23 @@ async fn outbox_tables(
     Ok((oids, coverage))
 }
 
-/// The broker, from after the node whose session failed; an exchange
-/// declared since it was found missing is used again.
-async fn open_broker(cfg: &Config, memory: &mut Memory) -> Result<AmqpSink, RelayError> {
-    let name = format!("outbox-relay (slot {})", cfg.postgres.slot);
-    let mut sink = AmqpSink::connect(&cfg.rabbitmq, &name, &memory.nodes).await?;
-    memory.nodes.reached(sink.node());
+/// The broker, from after the node whose session failed: a connection per
+/// publishing channel (`rabbitmq.channels`), spread over the nodes; an
+/// exchange declared since it was found missing is used again.
+async fn open_broker(cfg: &Config, memory: &mut Memory) -> Result<Vec<AmqpSink>, RelayError> {
+    let channels = cfg.rabbitmq.channels.max(1);
+    let mut sinks = Vec::with_capacity(channels);
+    for lane in 0..channels {
+        let name = if channels == 1 {
+            format!("outbox-relay (slot {})", cfg.postgres.slot)
+        } else {
+            format!("outbox-relay (slot {}, channel {lane})", cfg.postgres.slot)
+        };
+        let nodes = memory.nodes.for_lane(lane);
+        sinks.push(AmqpSink::connect(&cfg.rabbitmq, &name, &nodes).await?);
+    }
+    memory.nodes.reached(sinks[0].node());
+    let sink = &mut sinks[0];
     let refused = &mut memory.refusals.missing;
     for exchange in refused.names() {
         match sink.check_exchange(&exchange).await {
@@ -484,7 +497,7 @@ async fn open_broker(cfg: &Config, memory: &mut Memory) -> Result<AmqpSink, Rela
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(sink)
+    Ok(sinks)
 }
 
 /// Hands the final watermark to the server before ending the stream: waits

@@ -33,6 +33,17 @@ impl Nodes {
         (0..n).map(move |k| self.order[(self.next + k) % n])
     }
 
+    /// The order for publishing channel `lane` of several: starting
+    /// `lane` nodes further on, so that the channels spread over the
+    /// cluster's nodes.
+    pub fn for_lane(&self, lane: usize) -> Nodes {
+        let n = self.order.len();
+        Nodes {
+            order: self.order.clone(),
+            next: (self.next + lane) % n.max(1),
+        }
+    }
+
     /// `node` was reached: the next attempt starts with it again.
     pub fn reached(&mut self, node: usize) {
         if let Some(at) = self.order.iter().position(|&i| i == node) {

@@ -94,8 +94,13 @@ struct Publisher<'a> {
     metrics: &'a Metrics,
     cp: Checkpoint,
     watermark: &'a watch::Sender<Progress>,
-    /// Messages published and not yet answered, by delivery tag.
-    unconfirmed: Unconfirmed<InFlight>,
+    /// The publishing channels' own state, one per `rabbitmq.channels`
+    /// (the connections themselves are passed in beside).
+    lanes: Vec<Lane>,
+    /// The channel whose answers are looked at first, in turn.
+    turn: usize,
+    /// The channel whose connection failed (an error from its answers).
+    failed_lane: Option<usize>,
     /// Reused for the messages one answer settles.
     settled: Vec<(InFlight, Result<(), SinkError>)>,
     /// Re-publishes waiting for their delay.
@@ -113,12 +118,6 @@ struct Publisher<'a> {
     /// sends nothing again. At most [`refused::CAP`] names, then forgotten
     /// all at once (each costs one more check).
     verified: HashSet<String>,
-    /// The event waiting for its templated exchange to be looked for; no
-    /// new event is taken meanwhile (their order).
-    held_back: Option<(InFlight, String)>,
-    /// When the passive declare for the held-back event's exchange was
-    /// sent (its answer is due like a confirm); `None`: none is out.
-    looking_since: Option<Instant>,
     /// Events published this session.
     sent: u64,
     /// Bytes held by messages not yet confirmed (waiting, or waiting for a
@@ -137,6 +136,67 @@ struct Publisher<'a> {
     blocked: bool,
     /// The gauges' and the confirm deadline's once a second.
     gauges: tokio::time::Interval,
+}
+
+/// One publishing channel (a connection of its own): what waits for its
+/// answers, in its own delivery-tag order. An event's aggregate picks its
+/// channel ([`lane_of`]), so one aggregate's events, their retries and
+/// their dead letters all go out on one channel, in commit order.
+#[derive(Default)]
+struct Lane {
+    /// Messages published and not yet answered, by delivery tag.
+    unconfirmed: Unconfirmed<InFlight>,
+    /// The event waiting for its templated exchange to be looked for; no
+    /// new event is taken meanwhile (their order).
+    held_back: Option<(InFlight, String)>,
+    /// When the passive declare for the held-back event's exchange was
+    /// sent (its answer is due like a confirm); `None`: none is out.
+    looking_since: Option<Instant>,
+    /// Its events not yet confirmed (waiting for an answer or for a
+    /// retry): what its window counts.
+    in_flight: u64,
+}
+
+/// The channel of `ev` among `lanes`: a stable hash (FNV-1a) of its
+/// aggregate (the raw `aggregate_type` and `aggregate_id` values), the same
+/// in every session and process. An event whose columns cannot be read
+/// goes on the first (it is dead-lettered or stops the relay there).
+fn lane_of(ev: &OutboxEvent, lanes: usize) -> usize {
+    if lanes <= 1 {
+        return 0;
+    }
+    let Ok(m) = &ev.mapping else { return 0 };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for col in [m.aggregate_type, m.aggregate_id] {
+        let bytes = ev.value(col).map_or(&[][..], |b| &b[..]);
+        // The length first: ("ab", "c") and ("a", "bc") differ.
+        for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    (h % lanes as u64) as usize
+}
+
+/// The next answer from any of `sinks`, and whose, starting with
+/// `first`'s (in turn, so that no channel's answers wait behind a busy
+/// one's). Each channel's [`Broker::answer`] future is made and dropped
+/// per poll: it is cancel-safe, and the wakers it registered stay.
+fn any_answer<S: Broker>(
+    sinks: &mut [S],
+    first: usize,
+) -> impl Future<Output = (usize, Result<Event, SinkError>)> + '_ {
+    std::future::poll_fn(move |cx| {
+        let n = sinks.len();
+        for k in 0..n {
+            let i = (first + k) % n;
+            let answer = std::pin::pin!(sinks[i].answer());
+            if let std::task::Poll::Ready(r) = answer.poll(cx) {
+                return std::task::Poll::Ready((i, r));
+            }
+        }
+        std::task::Poll::Pending
+    })
 }
 
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
@@ -194,7 +254,7 @@ impl<'a> Publisher<'a> {
         env: Envelope,
         reason: &str,
     ) -> Result<InFlight, PublishError> {
-        let (seq, commit_time_us, attempts) = (f.seq, f.commit_time_us, f.attempts);
+        let attempts = f.attempts;
         let Some(dlx) = self.dlx(f.outbox()) else {
             error!(event_id = %Shown(env.id()), reason, "undeliverable event and no dead-letter exchange; stopping");
             return Err(PublishError::Undeliverable {
@@ -204,7 +264,7 @@ impl<'a> Publisher<'a> {
         };
         error!(event_id = %Shown(env.id()), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
         let dl = env.dead_letter(dlx, reason, attempts);
-        Ok(InFlight::dead_letter(seq, commit_time_us, dl))
+        Ok(InFlight::dead_letter(f, dl))
     }
 
     /// A new event: check it, publish it (encoded straight from the row),
@@ -212,14 +272,16 @@ impl<'a> Publisher<'a> {
     /// `bytes`: the row's size ([`OutboxEvent::bytes`]), measured once.
     fn publish_event(
         &mut self,
-        sink: &mut impl Broker,
+        sinks: &mut [impl Broker],
         ev: OutboxEvent,
         bytes: usize,
     ) -> Result<(), PublishError> {
         let seq = self.cp.publish()?;
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
-        let f = InFlight::new(
+        let lane = lane_of(&ev, self.lanes.len());
+        self.lanes[lane].in_flight += 1;
+        let mut f = InFlight::new(
             seq,
             Content::Event(ev),
             Sizes {
@@ -228,7 +290,8 @@ impl<'a> Publisher<'a> {
             },
             commit_time_us,
         );
-        self.send_event(sink, f, Verify::First)
+        f.lane = lane;
+        self.send_event(&mut sinks[lane], f, Verify::First)
     }
 
     /// Publishes the event `f` holds, encoded straight from its row, or its
@@ -251,7 +314,7 @@ impl<'a> Publisher<'a> {
                 Some(exchange) => Err(exchange),
             },
             Err(dl) => {
-                let d = InFlight::dead_letter(f.seq, f.commit_time_us, dl);
+                let d = InFlight::dead_letter(&f, dl);
                 self.held += d.held;
                 let env = d.envelope()?;
                 return self.launch(sink, d, env);
@@ -260,14 +323,15 @@ impl<'a> Publisher<'a> {
         let (tag, body_bytes) = match sent {
             Ok(sent) => sent,
             Err(exchange) => {
-                debug_assert!(self.held_back.is_none(), "one event held back at a time");
-                self.held_back = Some((f, exchange));
+                let lane = &mut self.lanes[f.lane];
+                debug_assert!(lane.held_back.is_none(), "one event held back at a time");
+                lane.held_back = Some((f, exchange));
                 return Ok(());
             }
         };
         f.body_bytes = body_bytes;
         self.held += f.held;
-        self.unconfirmed.push(tag, f);
+        self.lanes[f.lane].unconfirmed.push(tag, f);
         Ok(())
     }
 
@@ -300,21 +364,21 @@ impl<'a> Publisher<'a> {
     /// the broker has said whether its exchange exists, else asks (a
     /// passive declare on the control channel, answered among the
     /// confirms: nothing waits for it).
-    fn release(&mut self, sink: &mut impl Broker) -> Result<(), PublishError> {
-        let (f, exchange) = self.held_back.take().expect("called when held back");
+    fn release(&mut self, sink: &mut impl Broker, lane: usize) -> Result<(), PublishError> {
+        let (f, exchange) = (self.lanes[lane].held_back.take()).expect("called when held back");
         if self.answered(&exchange) {
             return self.send_event(sink, f, Verify::First);
         }
         sink.look_for(&exchange)?;
-        self.looking_since = Some(Instant::now());
-        self.held_back = Some((f, exchange));
+        self.lanes[lane].looking_since = Some(Instant::now());
+        self.lanes[lane].held_back = Some((f, exchange));
         Ok(())
     }
 
     /// The broker's answer to the passive declare for `name`: learnt, for
     /// [`Publisher::release`] to act on.
-    fn on_found(&mut self, name: String, found: Found) {
-        self.looking_since = None;
+    fn on_found(&mut self, lane: usize, name: String, found: Found) {
+        self.lanes[lane].looking_since = None;
         match found {
             Found::Exists => {
                 if self.verified.len() >= refused::CAP {
@@ -342,6 +406,7 @@ impl<'a> Publisher<'a> {
     async fn route_around(
         &mut self,
         sink: &mut impl Broker,
+        lane: usize,
         e: SinkError,
     ) -> Result<(), PublishError> {
         let (exchange, refusal) = match e.disposition() {
@@ -356,19 +421,25 @@ impl<'a> Publisher<'a> {
         let any_dlx = self.dead_letters.iter().any(Option::is_some)
             || self.cfg.dead_letter_exchange.is_some();
         // Refused again while known refused: its events were not sent to
-        // it, so the reply named something else (cut short, or not one of
-        // ours). End the session rather than reopen for ever.
-        let again = self.refused.refusal(&exchange).is_some();
+        // it since, so the reply named something else (cut short, or not
+        // one of ours). End the session rather than reopen for ever. (With
+        // several channels, one may learn the refusal while another still
+        // waits on events it sent there before: its close is explained.)
+        let sent_before =
+            || (self.lanes[lane].unconfirmed.iter()).any(|f| f.destination().0 == exchange);
+        let again = self.refused.refusal(&exchange).is_some() && !sent_before();
         if configured || !any_dlx || again {
             return Err(e.into());
         }
-        warn!(exchange = %Shown(&exchange), reason = %e, "the broker refuses this templated exchange; its events are dead-lettered (it is tried again in a minute)");
+        if self.refused.refusal(&exchange).is_none() {
+            warn!(exchange = %Shown(&exchange), reason = %e, "the broker refuses this templated exchange; its events are dead-lettered (it is tried again in a minute)");
+        }
         self.verified.remove(&exchange);
         self.refused.insert(exchange, refusal);
         sink.reopen().await?;
         // Sent before: sent again as they were, none held back (their
         // order).
-        for mut f in self.unconfirmed.take_all() {
+        for mut f in self.lanes[lane].unconfirmed.take_all() {
             self.held -= f.held;
             f.published_at = Instant::now();
             self.send_event(sink, f, Verify::Skip)?;
@@ -474,14 +545,14 @@ impl<'a> Publisher<'a> {
         };
         f.published_at = Instant::now();
         let tag = sink.publish(env)?;
-        self.unconfirmed.push(tag, f);
+        self.lanes[f.lane].unconfirmed.push(tag, f);
         Ok(())
     }
 
     /// A broker answer: settle what it answers, schedule retries.
-    fn on_answer(&mut self, ev: Event) -> Result<(), PublishError> {
+    fn on_answer(&mut self, lane: usize, ev: Event) -> Result<(), PublishError> {
         let mut settled = std::mem::take(&mut self.settled);
-        self.unconfirmed.apply(
+        self.lanes[lane].unconfirmed.apply(
             ev,
             InFlight::message_id,
             InFlight::destination,
@@ -497,13 +568,13 @@ impl<'a> Publisher<'a> {
     }
 
     /// A new item from the source, in WAL order.
-    fn on_item(&mut self, sink: &mut impl Broker, item: Item) -> Result<(), PublishError> {
+    fn on_item(&mut self, sinks: &mut [impl Broker], item: Item) -> Result<(), PublishError> {
         match item {
             Item::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
             Item::Event(ev) => {
                 let bytes = ev.bytes();
                 self.budget.give_back(ByteBudget::cost_of(bytes));
-                self.publish_event(sink, ev, bytes)?
+                self.publish_event(sinks, ev, bytes)?
             }
             Item::Commit { end_lsn } => {
                 let moved = self.cp.commit(end_lsn)?;
@@ -565,17 +636,23 @@ pub struct Failed {
     /// The oldest unconfirmed event, for the next run to blame if the same
     /// failure comes back (see [`super::refusals::learn`]).
     pub head: Option<Head>,
+    /// The publishing channel whose connection failed, when one did (its
+    /// node is tried last next time).
+    pub lane: Option<usize>,
 }
 
 /// Runs until `items` closes and every message is settled (after a stop,
 /// or until the shutdown grace period ends), or until a failure (a confirm
 /// overdue among them).
 ///
-/// One task drives the connection: publishes are queued into its write
-/// buffer a batch at a time (whatever the source has ready, up to
-/// `BATCH`) and written in one go while the loop waits for answers.
+/// One task drives the connections, one per publishing channel
+/// (`sinks`, at least one): publishes are queued into their write buffers
+/// a batch at a time (whatever the source has ready, up to `BATCH`) and
+/// written in one go while the loop waits for answers. One watermark
+/// covers them all: a transaction is reported once every message of it,
+/// and of every transaction before it, is confirmed, on whichever channel.
 pub async fn run<S: Broker>(
-    sink: &mut S,
+    sinks: &mut [S],
     mut items: mpsc::Receiver<Item>,
     watermark: &watch::Sender<Progress>,
     Publishing {
@@ -608,15 +685,15 @@ pub async fn run<S: Broker>(
         metrics,
         cp: Checkpoint::new(start),
         watermark,
-        unconfirmed: Unconfirmed::default(),
+        lanes: (0..sinks.len()).map(|_| Lane::default()).collect(),
+        turn: 0,
+        failed_lane: None,
         settled: Vec::new(),
         retries: FuturesUnordered::new(),
         clock: ConfirmClock::new(),
         refusals,
         refused,
         verified: HashSet::new(),
-        held_back: None,
-        looking_since: None,
         sent: 0,
         held: 0,
         budget,
@@ -626,14 +703,17 @@ pub async fn run<S: Broker>(
         blocked: false,
         gauges: tokio::time::interval(Duration::from_secs(1)),
     };
-    let r = p.run(sink, &mut items).await;
+    assert!(!sinks.is_empty(), "at least one publishing channel");
+    let r = p.run(sinks, &mut items).await;
+    let lane = p.failed_lane.take();
     // Between sessions nothing is blocked: the next connection is asked anew.
     metrics.blocked.set(0);
     // Which message the session failed with, for the next one to blame
     // if this keeps happening (see `replies`).
     let head = r.is_err().then(|| {
         let alone = p.sent <= p.refusals.careful_for;
-        let id = p.unconfirmed.oldest().and_then(InFlight::message_id)?;
+        let oldest = (p.lanes.iter().filter_map(|l| l.unconfirmed.oldest())).min_by_key(|f| f.seq);
+        let id = oldest.and_then(InFlight::message_id)?;
         Some(Head {
             id,
             alone,
@@ -646,6 +726,7 @@ pub async fn run<S: Broker>(
     r.map_err(|error| Failed {
         error,
         head: head.flatten(),
+        lane,
     })
 }
 
@@ -653,15 +734,29 @@ impl Publisher<'_> {
     /// The loop: one branch per source of work, by priority.
     async fn run<S: Broker>(
         &mut self,
-        sink: &mut S,
+        sinks: &mut [S],
         items: &mut mpsc::Receiver<Item>,
     ) -> Result<(), PublishError> {
         loop {
             if !self.open && self.cp.in_flight() == 0 {
                 return Ok(());
             }
-            let blocked = self.note_blocked(sink.is_blocked());
-            let room = self.room(sink);
+            let blocked = self.note_blocked(sinks.iter().any(Broker::is_blocked));
+            let room = self.room(sinks);
+            // A channel whose held-back event may move on. (Not while
+            // blocked: the broker reads nothing from a blocked connection.
+            // Not while its publishing channel is closed: its reopening
+            // comes first.)
+            let releasable = (!blocked)
+                .then(|| {
+                    (self.lanes.iter().zip(sinks.iter())).position(|(l, s)| {
+                        l.held_back.is_some() && l.looking_since.is_none() && s.publishing_open()
+                    })
+                })
+                .flatten();
+            let flushing = sinks.iter().any(Broker::wants_flush);
+            let first = self.turn;
+            self.turn = (self.turn + 1) % sinks.len();
             tokio::select! {
                 biased;
                 // 1. Once a second, first: it must not starve behind a
@@ -669,26 +764,30 @@ impl Publisher<'_> {
                 _ = self.gauges.tick() => self.on_tick(items.len())?,
                 // 2. Broker answers: they free the window and move the
                 // watermark (waiting for them writes what is queued).
-                ev = sink.answer() => match ev {
-                    Ok(ev) => self.on_broker(ev)?,
+                (lane, ev) = any_answer(sinks, first) => match ev {
+                    Ok(ev) => self.on_broker(lane, ev)?,
                     // The publishing channel closed: routed around when it
                     // can be.
-                    Err(e) => self.route_around(sink, e).await?,
+                    Err(e) => {
+                        self.failed_lane = Some(lane);
+                        self.route_around(&mut sinks[lane], lane, e).await?;
+                        self.failed_lane = None;
+                    }
                 },
                 // 3. An event waits for its exchange to be looked for, or
-                // has its answer. (Not while blocked: the broker reads
-                // nothing from a blocked connection. Not while the
-                // publishing channel is closed: its reopening comes first.)
-                () = std::future::ready(()), if self.held_back.is_some() && self.looking_since.is_none() && !blocked && sink.publishing_open() => {
-                    self.release(sink)?;
+                // has its answer.
+                () = std::future::ready(()), if releasable.is_some() => {
+                    let lane = releasable.expect("guarded");
+                    self.release(&mut sinks[lane], lane)?;
                 }
                 // 4. Retries whose delay is over.
-                Some(f) = self.retries.next(), if !self.retries.is_empty() && !blocked && !sink.wants_flush() => {
+                Some(f) = self.retries.next(), if !self.retries.is_empty() && !blocked && !flushing => {
                     let env = f.envelope()?;
-                    self.launch(sink, f, env)?;
+                    let lane = f.lane;
+                    self.launch(&mut sinks[lane], f, env)?;
                 }
                 // 5. New WAL, while there is room.
-                item = items.recv(), if room => self.on_items(sink, item, items)?,
+                item = items.recv(), if room => self.on_items(sinks, item, items)?,
                 // 6. A stop: no more WAL; outstanding confirms get the
                 // grace period. (While the broker blocks us the item
                 // channel is not read, so its closing cannot be what starts
@@ -721,39 +820,47 @@ impl Publisher<'_> {
     /// Room for more: within the window's count and bytes (one message
     /// always goes, however large), and the write buffer not backed up
     /// (the broker applying TCP flow control).
-    fn room(&self, sink: &impl Broker) -> bool {
+    ///
+    /// The next event may go to any channel: every one must have room (a
+    /// full one holds the others back, as it holds back the watermark).
+    /// While the publisher is careful (a session after one failed on its
+    /// head) one message at a time is in flight in all.
+    fn room(&self, sinks: &[impl Broker]) -> bool {
         let full_window = self.cfg.window as u64;
-        let window = if self.sent < self.refusals.careful_for {
-            1
-        } else {
-            full_window
-        };
-        self.open && !self.blocked
-            && self.held_back.is_none()
-            && self.cp.in_flight() < window
+        let careful = self.sent < self.refusals.careful_for;
+        self.open
+            && !self.blocked
+            && (!careful || self.cp.in_flight() == 0)
             && (self.held < self.cfg.window_bytes || self.cp.in_flight() == 0)
-            // One message left unanswered while the rest are confirmed
-            // must not grow the tag list without bound: publishing pauses,
-            // and the confirm deadline ends it.
-            && self.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
-            && !sink.wants_flush()
+            && self.lanes.iter().zip(sinks).all(|(l, s)| {
+                l.held_back.is_none()
+                    && l.in_flight < full_window
+                    // One message left unanswered while the rest are
+                    // confirmed must not grow the tag list without bound:
+                    // publishing pauses, and the confirm deadline ends it.
+                    && l.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
+                    && !s.wants_flush()
+            })
     }
 
     /// Once a second: the gauges, and the deadline of the oldest answer
     /// due (a passive declare's answer is due as a confirm is).
     fn on_tick(&mut self, queued: usize) -> Result<(), PublishError> {
         self.update_gauges(queued);
-        let confirm = self.unconfirmed.oldest().map(|f| f.published_at);
-        let oldest = match (confirm, self.looking_since) {
+        let confirm = (self.lanes.iter())
+            .filter_map(|l| l.unconfirmed.oldest().map(|f| f.published_at))
+            .min();
+        let looking = self.lanes.iter().filter_map(|l| l.looking_since).min();
+        let oldest = match (confirm, looking) {
             (Some(c), Some(l)) => Some(c.min(l)),
             (c, l) => c.or(l),
         };
         if (self.clock).overdue(oldest, self.blocked, self.cfg.confirm_timeout) {
-            if oldest == self.looking_since {
+            if oldest == looking {
                 return Err(SinkError::Timeout("checking a templated exchange").into());
             }
             return Err(SinkError::ConfirmTimeout {
-                in_flight: self.unconfirmed.len() as u64,
+                in_flight: self.lanes.iter().map(|l| l.unconfirmed.len() as u64).sum(),
                 secs: self.cfg.confirm_timeout.as_secs(),
             }
             .into());
@@ -763,13 +870,13 @@ impl Publisher<'_> {
 
     /// What the broker said: an exchange looked for, or confirms and
     /// returns.
-    fn on_broker(&mut self, ev: Event) -> Result<(), PublishError> {
+    fn on_broker(&mut self, lane: usize, ev: Event) -> Result<(), PublishError> {
         match ev {
             Event::Exchange { name, found } => {
-                self.on_found(name, found);
+                self.on_found(lane, name, found);
                 Ok(())
             }
-            ev => self.on_answer(ev),
+            ev => self.on_answer(lane, ev),
         }
     }
 
@@ -777,7 +884,7 @@ impl Publisher<'_> {
     /// so that it goes out in one write.
     fn on_items(
         &mut self,
-        sink: &mut impl Broker,
+        sinks: &mut [impl Broker],
         item: Option<Item>,
         items: &mut mpsc::Receiver<Item>,
     ) -> Result<(), PublishError> {
@@ -785,13 +892,13 @@ impl Publisher<'_> {
             self.close();
             return Ok(());
         };
-        self.on_item(sink, item)?;
+        self.on_item(sinks, item)?;
         for _ in 1..BATCH {
-            if !self.room(sink) {
+            if !self.room(sinks) {
                 break;
             }
             match items.try_recv() {
-                Ok(item) => self.on_item(sink, item)?,
+                Ok(item) => self.on_item(sinks, item)?,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     self.close();

@@ -73,6 +73,11 @@ impl<T> Unconfirmed<T> {
         self.live == 0
     }
 
+    /// Every waiting message, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.slots.iter().flatten().map(|s| &s.item)
+    }
+
     /// The message that has waited longest.
     pub fn oldest(&self) -> Option<&T> {
         self.slots.iter().flatten().next().map(|s| &s.item)

@@ -220,3 +220,37 @@ pub fn count_by_id(got: &[Received]) -> HashMap<String, usize> {
     }
     m
 }
+
+/// End LSN of the first transaction the observer slot `slot` has decoded
+/// (peeked, not consumed). Retries for up to 5 s: with
+/// `synchronous_commit = off` decoding sees a commit only once the WAL
+/// writer has flushed it.
+pub async fn first_commit_end(pg: &Client, slot: &str, publication: &str) -> Lsn {
+    for _ in 0..50 {
+        if let Some(lsn) = peek_first_commit_end(pg, slot, publication).await {
+            return lsn;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("observer slot saw no commit");
+}
+
+async fn peek_first_commit_end(pg: &Client, slot: &str, publication: &str) -> Option<Lsn> {
+    let rows = pg
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL, \
+             'proto_version', '1', 'publication_names', $2)",
+            &[&slot, &publication],
+        )
+        .await
+        .unwrap();
+    for row in rows {
+        let data: Vec<u8> = row.get(0);
+        if let Ok(outbox_relay::pgoutput::LogicalMessage::Commit(c)) =
+            outbox_relay::pgoutput::decode(bytes::Bytes::from(data))
+        {
+            return Some(Lsn(c.end_lsn));
+        }
+    }
+    None
+}

@@ -13,10 +13,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use common::*;
-use outbox_relay::lsn::Lsn;
-use outbox_relay::pgoutput::{LogicalMessage, decode};
 
 static ALARM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -79,41 +76,6 @@ async fn memory_alarm_holds_the_slot_before_unconfirmed_events() {
     assert!(count_by_id(&got).len() >= ids.len());
     relay.sigterm();
     fx.cleanup().await;
-}
-
-/// End LSN of the first transaction the observer slot has decoded.
-/// Retries: with `synchronous_commit = off` decoding sees a commit only once
-/// the WAL writer has flushed it.
-async fn first_commit_end(pg: &tokio_postgres::Client, slot: &str, publication: &str) -> Lsn {
-    for _ in 0..50 {
-        if let Some(lsn) = peek_first_commit_end(pg, slot, publication).await {
-            return lsn;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("observer slot saw no commit");
-}
-
-async fn peek_first_commit_end(
-    pg: &tokio_postgres::Client,
-    slot: &str,
-    publication: &str,
-) -> Option<Lsn> {
-    let rows = pg
-        .query(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL, \
-             'proto_version', '1', 'publication_names', $2)",
-            &[&slot, &publication],
-        )
-        .await
-        .unwrap();
-    for row in rows {
-        let data: Vec<u8> = row.get(0);
-        if let Ok(LogicalMessage::Commit(c)) = decode(Bytes::from(data)) {
-            return Some(Lsn(c.end_lsn));
-        }
-    }
-    None
 }
 
 /// Sets the memory alarm, runs `f`, always clears the alarm.

@@ -11,6 +11,7 @@ mod common;
 
 mod broker_alarm;
 mod broker_faults;
+mod channels;
 mod chaos;
 mod check;
 mod commands;

@@ -36,6 +36,9 @@ pub(super) struct Sizes {
 /// A message on its way: what to re-publish if it comes back.
 pub(super) struct InFlight {
     pub(super) seq: Seq,
+    /// The publishing channel it goes out on (its aggregate's), retries
+    /// and its dead letter too.
+    pub(super) lane: usize,
     pub(super) content: Content,
     /// Publishes so far, this one included.
     pub(super) attempts: u32,
@@ -59,6 +62,7 @@ impl InFlight {
             held,
             commit_time_us,
             seq,
+            lane: 0,
             content,
             attempts: 0,
             body_bytes,
@@ -66,17 +70,21 @@ impl InFlight {
         }
     }
 
-    pub(super) fn dead_letter(seq: Seq, commit_time_us: i64, dl: Envelope) -> InFlight {
+    /// The dead letter `dl` in place of `of`: its sequence number, its
+    /// transaction's commit time, its channel.
+    pub(super) fn dead_letter(of: &InFlight, dl: Envelope) -> InFlight {
         let bytes = dl.body.len();
-        InFlight::new(
-            seq,
+        let mut d = InFlight::new(
+            of.seq,
             Content::DeadLetter(Box::new(dl)),
             Sizes {
                 body_bytes: bytes,
                 held: bytes,
             },
-            commit_time_us,
-        )
+            of.commit_time_us,
+        );
+        d.lane = of.lane;
+        d
     }
 
     pub(super) fn is_dead_letter(&self) -> bool {

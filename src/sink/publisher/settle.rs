@@ -34,6 +34,7 @@ impl Publisher<'_> {
                     self.metrics.published_bytes.inc_by(f.body_bytes as u64);
                 }
                 self.held -= f.held;
+                self.lanes[f.lane].in_flight -= 1;
                 let moved = self.cp.confirm(f.seq)?;
                 self.advance(moved);
                 Ok(None)

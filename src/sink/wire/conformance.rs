@@ -691,7 +691,7 @@ async fn never_confirms(mode: &'static str) {
     let stop = tokio_util::sync::CancellationToken::new();
     let dead_letters = cfg.dead_letters();
     let run = publisher::run(
-        &mut sink,
+        std::slice::from_mut(&mut sink),
         rx,
         &wm,
         publisher::Publishing {

@@ -1,0 +1,175 @@
+//! Several publishing channels (`rabbitmq.channels`): each aggregate's
+//! events on one channel, in commit order, across a `kill -9` and a
+//! walsender killed; and one watermark over all channels, held back by the
+//! one a full queue keeps nacking while the others deliver.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+
+const FOUR: &str = "channels = 4\n";
+
+/// 200 transactions of 5 events over 16 aggregates, a `kill -9` and a
+/// walsender killed meanwhile: every event arrives, and each aggregate's
+/// events arrive first in the order they were committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_channels_keep_each_aggregate_in_order_across_kill9_and_a_walsender_kill() {
+    let mut fx = Fixture::with_config("chan4", FOUR).await;
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay();
+    let sql = fx.insert_sql();
+    let producer = tokio::spawn(async move {
+        let mut pg = pg_connect().await;
+        let mut sent = Vec::new();
+        for t in 0..200u32 {
+            let tx = pg.transaction().await.unwrap();
+            for k in 0..5u32 {
+                let agg = format!("c{}", (t * 5 + k) % 16);
+                let payload = serde_json::json!({ "n": t * 5 + k });
+                let row = tx
+                    .query_one(&sql, &[&"cart", &agg, &"item_added", &payload.to_string()])
+                    .await
+                    .unwrap();
+                sent.push((row.get::<_, String>(0), agg, t * 5 + k));
+            }
+            tx.commit().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        sent
+    });
+
+    let early = fx.drain_for(Duration::from_millis(1500)).await;
+    assert!(
+        !early.is_empty(),
+        "nothing delivered; log:\n{}",
+        relay.log_tail()
+    );
+    let connected = relay.log_text().matches("connected to RabbitMQ").count();
+    assert_eq!(
+        connected,
+        4,
+        "one connection per channel:\n{}",
+        relay.log_tail()
+    );
+    relay.kill9();
+    let relay = fx.spawn_relay();
+    let pg = pg_connect().await;
+    let mut all = early;
+    all.extend(fx.drain_for(Duration::from_millis(1500)).await);
+    fx.terminate_walsender(&pg).await;
+
+    let sent = producer.await.unwrap();
+    let ids: Vec<String> = sent.iter().map(|(id, _, _)| id.clone()).collect();
+    let seen = count_by_id(&all);
+    let not_yet: Vec<String> = (ids.iter())
+        .filter(|id| !seen.contains_key(*id))
+        .cloned()
+        .collect();
+    all.extend(
+        fx.collect_until(
+            &not_yet,
+            Duration::from_secs(90),
+            Duration::from_secs(1),
+            Some(&relay),
+        )
+        .await,
+    );
+    let counts = count_by_id(&all);
+    let missing = ids.iter().filter(|id| !counts.contains_key(*id)).count();
+    assert_eq!(missing, 0, "committed events never arrived");
+
+    // First deliveries, per aggregate, in commit order.
+    let of: HashMap<&str, (&str, u32)> = (sent.iter())
+        .map(|(id, agg, n)| (id.as_str(), (agg.as_str(), *n)))
+        .collect();
+    let mut first = std::collections::HashSet::new();
+    let mut last: HashMap<&str, u32> = HashMap::new();
+    for r in &all {
+        let id = r.message_id();
+        if !first.insert(id.clone()) {
+            continue;
+        }
+        let (agg, n) = of[id.as_str()];
+        if let Some(before) = last.insert(agg, n) {
+            assert!(
+                before < n,
+                "aggregate {agg}: event {n} first delivered after event {before}"
+            );
+        }
+    }
+    let duplicates: usize = counts.values().map(|c| c - 1).sum();
+    println!(
+        "four channels: {} events, {} deliveries, {duplicates} duplicates",
+        ids.len(),
+        all.len()
+    );
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
+/// One watermark: an event a full queue keeps nacking holds the slot
+/// before its transaction, while the events after it, on every channel,
+/// are delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_held_by_nacks_holds_the_slot_while_the_others_deliver() {
+    let mut fx = Fixture::with_config("chanwm", FOUR).await;
+    fx.rebind_queue("ok.#").await;
+    let full = fx.full_queue("full.#").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay();
+    // The one message the full queue holds.
+    let fills = fx
+        .insert(&pg, "full", "f", "e", &serde_json::json!({}))
+        .await;
+    let warm = fx.insert(&pg, "ok", "w", "e", &serde_json::json!({})).await;
+    fx.expect_delivered(&[warm], &relay).await;
+    let _ = fills;
+
+    let observer = format!("obs_{}", fx.name);
+    pg.query_one(
+        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&observer],
+    )
+    .await
+    .unwrap();
+    fx.insert(&pg, "full", "f", "e", &serde_json::json!({"nacked": true}))
+        .await;
+    let nacked_end = first_commit_end(&pg, &observer, &fx.publication).await;
+    let mut after = Vec::new();
+    for i in 0..40 {
+        let id = fx
+            .insert(
+                &pg,
+                "ok",
+                &format!("o{i}"),
+                "e",
+                &serde_json::json!({ "i": i }),
+            )
+            .await;
+        after.push(id);
+    }
+    fx.expect_delivered(&after, &relay).await;
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let confirmed = fx.confirmed_flush_lsn(&pg).await;
+        assert!(
+            confirmed < nacked_end,
+            "confirmed_flush_lsn {confirmed} passed the nacked event's transaction ending at {nacked_end}"
+        );
+    }
+    assert!(
+        relay.log_text().contains("broker nacked"),
+        "the event was not nacked:\n{}",
+        relay.log_tail()
+    );
+    relay.kill9();
+    let _ = pg
+        .execute("SELECT pg_drop_replication_slot($1)", &[&observer])
+        .await;
+    fx.delete_queue(&full).await;
+    fx.cleanup().await;
+}
