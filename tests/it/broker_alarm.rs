@@ -184,8 +184,10 @@ async fn large_rows_behind_a_memory_alarm_stay_bounded_in_memory() {
     fx.bottomless_queue().await;
     let pg = pg_connect().await;
     let end = fx.insert_large(&pg, 400, 1 << 20, 50).await;
-    let relay = fx.spawn_relay();
-    let peak = with_alarm(async {
+    // The alarm is up before the relay starts: set after, a loaded machine
+    // let the relay send everything while `rabbitmqctl` started.
+    let (relay, peak) = with_alarm(async {
+        let relay = fx.spawn_relay();
         // Long enough for the walsender to decode far more than the
         // buffers hold (it decodes these rows at a few hundred a second).
         let mut peak = 0;
@@ -197,7 +199,7 @@ async fn large_rows_behind_a_memory_alarm_stay_bounded_in_memory() {
             fx.confirmed_flush_lsn(&pg).await < end,
             "confirmed while blocked"
         );
-        peak
+        (relay, peak)
     })
     .await;
     let started = std::time::Instant::now();
