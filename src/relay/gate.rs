@@ -42,6 +42,8 @@ pub(super) struct Gate {
     pub coverage: Coverage,
     /// The time its last good reading names, for the checkpoint row.
     pub since: watch::Sender<String>,
+    /// Held while the checkpoint row is written (see [`record_since`]).
+    pub row_writes: Arc<tokio::sync::Mutex<()>>,
     /// Widens the time a change names (see `source::coverage`).
     pub longest: Arc<tokio::sync::Mutex<LongestTx>>,
     /// The sink's watermark.
@@ -62,6 +64,7 @@ impl Gate {
             sql,
             mut coverage,
             since,
+            row_writes,
             longest,
             mut watermark,
             reported,
@@ -101,8 +104,7 @@ impl Gate {
                             continue;
                         }
                         Ok(Err(Uncertain::Changed(change))) => {
-                            stop.cancel();
-                            record_since(&sql, &cfg, &coverage).await;
+                            record_since(&sql, &cfg, &coverage, &stop, &row_writes).await;
                             return Err(change.error(coverage.last_good()));
                         }
                         Ok(Err(Uncertain::Unread(e))) => e.to_string(),
@@ -127,7 +129,7 @@ impl Gate {
             match tokio::time::timeout(FINAL_DEADLINE, coverage.verify(&sql, pg)).await {
                 Ok(Ok(at)) => vouched = vouched.max(at),
                 Ok(Err(Uncertain::Changed(change))) => {
-                    record_since(&sql, &cfg, &coverage).await;
+                    record_since(&sql, &cfg, &coverage, &stop, &row_writes).await;
                     return Err(change.error(coverage.last_good()));
                 }
                 _ => debug!(
@@ -140,11 +142,26 @@ impl Gate {
     }
 }
 
-/// After a change: the time the stop names (`republish --since`) goes to
-/// the checkpoint row, where `republish` finds it covers the change and
-/// lets the next start through (see `source::coverage`). Not recorded, the
-/// next start names an earlier time, the row's.
-async fn record_since(sql: &tokio_postgres::Client, cfg: &Config, coverage: &Coverage) {
+/// After a change: ends the session, and the time the stop names
+/// (`republish --since`) goes to the checkpoint row, where `republish`
+/// finds it covers the change and lets the next start through (see
+/// `source::coverage`). Not recorded, the next start names the row's time.
+///
+/// The side task's checkpoint writes hold `row_writes` too and look at
+/// `stop` under it, so none lands after this one: a write it began with
+/// an older reading's time would otherwise replace the time the stop
+/// names, and that time can be the later one (a long transaction seen
+/// since moves it earlier), so that the next start would name a time
+/// after rows the change let through.
+async fn record_since(
+    sql: &tokio_postgres::Client,
+    cfg: &Config,
+    coverage: &Coverage,
+    stop: &CancellationToken,
+    row_writes: &tokio::sync::Mutex<()>,
+) {
+    stop.cancel();
+    let _row = row_writes.lock().await;
     match tokio::time::timeout(SQL_DEADLINE, coverage.record_since(sql, cfg)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => warn!(error = %e, "cannot record the time the stop names"),

@@ -225,12 +225,14 @@ impl Session {
             stop: stop.clone(),
         }));
         let (since_tx, since_rx) = watch::channel(coverage.last_good().to_owned());
+        let row_writes = Arc::new(tokio::sync::Mutex::new(()));
         let gated = tokio::spawn(
             Gate {
                 cfg: cfg.clone(),
                 sql: Arc::clone(&sql),
                 coverage,
                 since: since_tx,
+                row_writes: Arc::clone(&row_writes),
                 longest: Arc::clone(&memory.longest),
                 watermark: wm_rx,
                 reported: reported_tx,
@@ -245,6 +247,7 @@ impl Session {
             longest: Arc::clone(&memory.longest),
             system_id: server.system_id.clone(),
             coverage_since: since_rx,
+            row_writes,
             progress: reported.clone(),
             metrics: metrics.clone(),
             stop: stop.clone(),

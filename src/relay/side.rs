@@ -32,6 +32,9 @@ pub(super) struct Beside {
     /// The time the coverage's last good reading names (see
     /// `source::coverage`), for the checkpoint row.
     pub coverage_since: watch::Receiver<String>,
+    /// Held while the checkpoint row is written: the gate's last write
+    /// after a change comes after every one of these.
+    pub row_writes: Arc<tokio::sync::Mutex<()>>,
     /// The position reported.
     pub progress: watch::Receiver<Progress>,
     pub metrics: Metrics,
@@ -46,6 +49,7 @@ pub(super) async fn side_tasks(
         longest,
         system_id,
         coverage_since,
+        row_writes,
         mut progress,
         metrics,
         stop,
@@ -78,6 +82,10 @@ pub(super) async fn side_tasks(
                 // on keepalives would itself make WAL, forever.
                 let p = *progress.borrow_and_update();
                 if p.commit_time_us.is_some() && p.commit_time_us != written {
+                    let _row = row_writes.lock().await;
+                    if stop.is_cancelled() {
+                        break;
+                    }
                     // The coverage's reading vouched for the position
                     // reported; its time, read now, is no older.
                     let since = coverage_since.borrow().clone();
