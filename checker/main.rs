@@ -84,6 +84,10 @@ async fn async_main() -> bool {
         eprintln!("checker: the oracle passed a run it must fail: {e}");
         return false;
     }
+    if let Err(e) = schedule::self_check() {
+        eprintln!("checker: {e}");
+        return false;
+    }
     if let Some(path) = set("CHECK_SCHEDULE") {
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         let s: Schedule = text.parse().unwrap_or_else(|e| panic!("{path}: {e}"));

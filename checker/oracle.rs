@@ -4,8 +4,9 @@
 //! order. What was delivered comes from the independent consumer. From the
 //! two: every committed event delivered at least once or dead-lettered
 //! with a reason; nothing delivered that did not commit; first deliveries
-//! in commit order per aggregate; nothing reached the victim queue, no
-//! forged header came through; the relay's slot reached the last commit.
+//! in commit order per aggregate (its type and id: what the relay keeps
+//! on one channel); nothing reached the victim queue, no forged header
+//! came through; the relay's slot reached the last commit.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -19,6 +20,7 @@ use crate::consumer::{Delivery, From};
 #[derive(Debug, Clone)]
 pub struct Committed {
     pub id: String,
+    /// `aggregate_type/aggregate_id`.
     pub agg: String,
     pub commit: Lsn,
 }

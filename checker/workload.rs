@@ -168,7 +168,7 @@ impl<'a> Producer<'a> {
         match e.table {
             Some(t) => format!(
                 "WITH e AS (INSERT INTO {t} (id, aggregate_type, aggregate_id, event_type, payload, headers) \
-                 VALUES ({id}::uuid, {ty}, {agg}, 'e', {payload}, {headers}) RETURNING id::text, aggregate_id) \
+                 VALUES ({id}::uuid, {ty}, {agg}, 'e', {payload}, {headers}) RETURNING id::text, aggregate_type || '/' || aggregate_id) \
                  INSERT INTO {rec} SELECT * FROM e",
                 t = w.tables[t],
                 id = q(&e.id),
@@ -180,7 +180,7 @@ impl<'a> Producer<'a> {
             None => format!(
                 "WITH m AS (SELECT pg_logical_emit_message(true, {prefix}, jsonb_build_object('id', {id}, \
                  'aggregate_type', {ty}, 'aggregate_id', {agg}, 'event_type', 'e', 'payload', {payload})::text) AS l) \
-                 INSERT INTO {rec} SELECT {id}, {agg} FROM m",
+                 INSERT INTO {rec} SELECT {id}, {ty} || '/' || {agg} FROM m",
                 prefix = q(&w.prefix),
                 id = q(&e.id),
                 ty = q(&e.aggregate_type),
@@ -304,7 +304,7 @@ impl<'a> Producer<'a> {
                     "WITH e AS (INSERT INTO {t} (id, aggregate_type, aggregate_id, event_type, payload) \
                      SELECT md5('{salt}-' || g)::uuid, CASE WHEN g % 2 = 0 THEN '{ty0}' ELSE '{ty1}' END, \
                      'a' || (g % {AGGREGATES}), 'big', jsonb_build_object('g', g) \
-                     FROM generate_series(1, {n}) g RETURNING id::text, aggregate_id) \
+                     FROM generate_series(1, {n}) g RETURNING id::text, aggregate_type || '/' || aggregate_id) \
                      INSERT INTO {rec} SELECT * FROM e",
                     rec = w.record
                 ))

@@ -15,7 +15,7 @@ use crate::common::{
     Relay, amqp_connect, amqp_url, partitioned_ddl, pg_connect_retry, pg_url, repo_path,
 };
 use crate::proxy::Proxy;
-use crate::schedule::{Schedule, Shape};
+use crate::schedule::{Schedule, Setup, Shape};
 
 static RUNS: AtomicU32 = AtomicU32::new(0);
 
@@ -146,7 +146,7 @@ impl World {
             .unwrap()
             .get(0);
         w.declare(setup.bounded_queue).await;
-        std::fs::write(&w.config, w.config_text(setup.grace)).unwrap();
+        std::fs::write(&w.config, w.config_text(setup)).unwrap();
         let out = w.relay_cmd("setup").output().unwrap();
         assert!(
             out.status.success(),
@@ -244,7 +244,7 @@ impl World {
         let _ = amqp.close(200, "declared".into()).await;
     }
 
-    fn config_text(&self, grace: u32) -> String {
+    fn config_text(&self, setup: &Setup) -> String {
         let pg: tokio_postgres::Config = pg_url().parse().unwrap();
         let db = pg.get_dbname().unwrap_or("postgres");
         let outboxes: String = match self.shape {
@@ -272,6 +272,7 @@ exchange = "{exchange}"
 routing_key = "{{aggregate_type}}.{{event_type}}"
 dead_letter_exchange = "{dlx}"
 shutdown_grace_secs = {grace}
+channels = {channels}
 
 [http]
 listen = "127.0.0.1:0"
@@ -287,6 +288,8 @@ listen = "127.0.0.1:0"
                 self.exchanges[0].clone()
             },
             dlx = self.dlx,
+            grace = setup.grace,
+            channels = setup.channels,
         )
     }
 
