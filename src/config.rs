@@ -41,10 +41,10 @@ const ENV_RESERVED: &[&str] = &[
     "OUTBOX_RELAY_LOG_FORMAT",
 ];
 
-/// Sections of the file, in the order the README documents them.
 /// Most publishing channels (`rabbitmq.channels`): a connection each.
 const MAX_CHANNELS: u64 = 16;
 
+/// Sections of the file, in the order the README documents them.
 const SECTIONS: &[&str] = &["postgres", "outbox", "rabbitmq", "http"];
 
 /// Why the configuration was refused. Every variant names the key to fix.

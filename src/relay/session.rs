@@ -477,16 +477,22 @@ async fn outbox_tables(
 /// exchange declared since it was found missing is used again.
 async fn open_broker(cfg: &Config, memory: &mut Memory) -> Result<Vec<AmqpSink>, RelayError> {
     let channels = cfg.rabbitmq.channels.max(1);
-    let mut sinks = Vec::with_capacity(channels);
-    for lane in 0..channels {
+    // All at once: a connection that waits out an unreachable node's
+    // connect timeout must not leave those already open without their
+    // heartbeats for as long.
+    let connects = (0..channels).map(|lane| {
         let name = if channels == 1 {
             format!("outbox-relay (slot {})", cfg.postgres.slot)
         } else {
             format!("outbox-relay (slot {}, channel {lane})", cfg.postgres.slot)
         };
         let nodes = memory.nodes.for_lane(lane);
-        sinks.push(AmqpSink::connect(&cfg.rabbitmq, &name, &nodes).await?);
-    }
+        async move { AmqpSink::connect(&cfg.rabbitmq, &name, &nodes).await }
+    });
+    let mut sinks: Vec<AmqpSink> = futures_util::future::join_all(connects)
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
     memory.nodes.reached(sinks[0].node());
     let sink = &mut sinks[0];
     let refused = &mut memory.refusals.missing;

@@ -2,8 +2,20 @@
 //! written (or shuffled once, with `rabbitmq.shuffle`), starting after the
 //! node whose session last failed, so that a node that accepts connections
 //! and then fails does not keep the relay from the healthy ones.
+//!
+//! With several publishing channels, each starts on a node of its own
+//! turn; a node whose session failed in the last [`SHUN_FOR`] takes none
+//! while another has not failed (else, as the channels outnumber the
+//! nodes, one of them would land on it again at every session).
+
+use std::time::Duration;
+use tokio::time::Instant;
 
 use crate::config::RabbitmqConfig;
+
+/// How long a node whose session failed is passed over by the channels'
+/// first choices: it is tried again after, when it may have recovered.
+pub const SHUN_FOR: Duration = Duration::from_secs(300);
 
 /// Which node to try first, and the order after it.
 #[derive(Debug, Clone)]
@@ -12,6 +24,8 @@ pub struct Nodes {
     order: Vec<usize>,
     /// Where in `order` the next attempt starts.
     next: usize,
+    /// Nodes whose session failed, and when (never all of them).
+    failures: Vec<(usize, Instant)>,
 }
 
 impl Nodes {
@@ -24,7 +38,11 @@ impl Nodes {
                 order.swap(i, rand::random_range(0..=i));
             }
         }
-        Nodes { order, next: 0 }
+        Nodes {
+            order,
+            next: 0,
+            failures: Vec::new(),
+        }
     }
 
     /// The nodes to try, in order (each once).
@@ -33,14 +51,29 @@ impl Nodes {
         (0..n).map(move |k| self.order[(self.next + k) % n])
     }
 
-    /// The order for publishing channel `lane` of several: starting
-    /// `lane` nodes further on, so that the channels spread over the
-    /// cluster's nodes.
+    /// The order for publishing channel `lane` of several: from the
+    /// `lane`-th node on (counting from where the next attempt starts, and
+    /// over the nodes that did not fail lately while there are any), so
+    /// that the channels spread over the cluster's healthy nodes.
     pub fn for_lane(&self, lane: usize) -> Nodes {
-        let n = self.order.len();
+        let n = self.order.len().max(1);
+        let now = Instant::now();
+        let failed = |node: usize| {
+            (self.failures.iter()).any(|&(f, at)| f == node && now.duration_since(at) < SHUN_FOR)
+        };
+        let healthy: Vec<usize> = (0..self.order.len())
+            .map(|k| (self.next + k) % n)
+            .filter(|&at| !failed(self.order[at]))
+            .collect();
+        let next = if healthy.is_empty() {
+            (self.next + lane) % n
+        } else {
+            healthy[lane % healthy.len()]
+        };
         Nodes {
             order: self.order.clone(),
-            next: (self.next + lane) % n.max(1),
+            next,
+            failures: Vec::new(),
         }
     }
 
@@ -51,10 +84,19 @@ impl Nodes {
         }
     }
 
-    /// The session on `node` failed: the next attempt starts after it.
+    /// The session on `node` failed: the next attempt starts after it,
+    /// and the channels pass it over for a while.
     pub fn failed(&mut self, node: usize) {
         if let Some(at) = self.order.iter().position(|&i| i == node) {
             self.next = (at + 1) % self.order.len();
+        }
+        let now = Instant::now();
+        self.failures
+            .retain(|&(f, at)| f != node && now.duration_since(at) < SHUN_FOR);
+        self.failures.push((node, now));
+        // Never all: the oldest failures are forgotten first.
+        while self.failures.len() >= self.order.len() && self.failures.len() > 1 {
+            self.failures.remove(0);
         }
     }
 }
@@ -67,6 +109,7 @@ mod tests {
         Nodes {
             order: (0..n).collect(),
             next: 0,
+            failures: Vec::new(),
         }
     }
 
@@ -83,6 +126,46 @@ mod tests {
         let mut one = nodes(1);
         one.failed(0);
         assert_eq!(one.attempts().collect::<Vec<_>>(), [0]);
+    }
+
+    /// The first node of each of `lanes` channels.
+    fn firsts(n: &Nodes, lanes: usize) -> Vec<usize> {
+        (0..lanes)
+            .map(|l| n.for_lane(l).attempts().next().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn channels_spread_over_the_nodes_and_pass_over_one_that_failed() {
+        let mut n = nodes(3);
+        assert_eq!(firsts(&n, 4), [0, 1, 2, 0]);
+        // More channels than nodes: without passing it over, one channel
+        // would land on the failed node at every session.
+        n.failed(1);
+        assert_eq!(firsts(&n, 4), [2, 0, 2, 0]);
+        n.failed(2);
+        assert_eq!(firsts(&n, 4), [0, 0, 0, 0]);
+        // Never all: the oldest failure is forgotten.
+        n.failed(0);
+        assert_eq!(firsts(&n, 2), [1, 1]);
+        // Every lane still tries every node, the passed-over last.
+        let all: Vec<usize> = n.for_lane(0).attempts().collect();
+        assert_eq!(all.len(), 3);
+        let mut one = nodes(1);
+        one.failed(0);
+        assert_eq!(firsts(&one, 3), [0, 0, 0]);
+    }
+
+    #[test]
+    fn a_failure_is_passed_over_only_for_a_while() {
+        let mut n = nodes(2);
+        let Some(long_ago) = Instant::now().checked_sub(SHUN_FOR + Duration::from_secs(1)) else {
+            return;
+        };
+        n.failed(1);
+        assert_eq!(firsts(&n, 2), [0, 0]);
+        n.failures = vec![(1, long_ago)];
+        assert_eq!(firsts(&n, 2), [0, 1]);
     }
 
     #[test]

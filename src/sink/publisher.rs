@@ -712,7 +712,12 @@ pub async fn run<S: Broker>(
     // if this keeps happening (see `replies`).
     let head = r.is_err().then(|| {
         let alone = p.sent <= p.refusals.careful_for;
-        let oldest = (p.lanes.iter().filter_map(|l| l.unconfirmed.oldest())).min_by_key(|f| f.seq);
+        // The failing channel's oldest (none: it had nothing in flight,
+        // and no message is to blame), else the oldest of all.
+        let oldest = match lane {
+            Some(l) => p.lanes[l].unconfirmed.oldest(),
+            None => (p.lanes.iter().filter_map(|l| l.unconfirmed.oldest())).min_by_key(|f| f.seq),
+        };
         let id = oldest.and_then(InFlight::message_id)?;
         Some(Head {
             id,
@@ -765,7 +770,11 @@ impl Publisher<'_> {
                 // 2. Broker answers: they free the window and move the
                 // watermark (waiting for them writes what is queued).
                 (lane, ev) = any_answer(sinks, first) => match ev {
-                    Ok(ev) => self.on_broker(lane, ev)?,
+                    Ok(ev) => {
+                        self.failed_lane = Some(lane);
+                        self.on_broker(lane, ev)?;
+                        self.failed_lane = None;
+                    }
                     // The publishing channel closed: routed around when it
                     // can be.
                     Err(e) => {
@@ -847,16 +856,22 @@ impl Publisher<'_> {
     /// due (a passive declare's answer is due as a confirm is).
     fn on_tick(&mut self, queued: usize) -> Result<(), PublishError> {
         self.update_gauges(queued);
-        let confirm = (self.lanes.iter())
-            .filter_map(|l| l.unconfirmed.oldest().map(|f| f.published_at))
+        // The answer due longest, and its channel (blamed if overdue).
+        let due = (self.lanes.iter().enumerate())
+            .filter_map(|(i, l)| {
+                let confirm = l.unconfirmed.oldest().map(|f| f.published_at);
+                let at = match (confirm, l.looking_since) {
+                    (Some(c), Some(k)) => c.min(k),
+                    (c, k) => c.or(k)?,
+                };
+                Some((at, i))
+            })
             .min();
-        let looking = self.lanes.iter().filter_map(|l| l.looking_since).min();
-        let oldest = match (confirm, looking) {
-            (Some(c), Some(l)) => Some(c.min(l)),
-            (c, l) => c.or(l),
-        };
+        let oldest = due.map(|(at, _)| at);
         if (self.clock).overdue(oldest, self.blocked, self.cfg.confirm_timeout) {
-            if oldest == looking {
+            let (at, lane) = due.expect("overdue only with an answer due");
+            self.failed_lane = Some(lane);
+            if self.lanes[lane].looking_since == Some(at) {
                 return Err(SinkError::Timeout("checking a templated exchange").into());
             }
             return Err(SinkError::ConfirmTimeout {
