@@ -1,6 +1,6 @@
 //! Producers that outlive PostgreSQL, a seeded PRNG for their schedules, and checking deliveries against them.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
@@ -285,6 +285,46 @@ impl Fixture {
         self.collect_rest(all, &ids, timeout, settle, relay).await;
         check_deliveries(reports, all)
     }
+}
+
+/// Per aggregate, first deliveries in commit order: the sequence numbers
+/// (one producer per aggregate, so sequence order is commit order) of
+/// first deliveries strictly increase; each payload is the one inserted.
+pub fn first_deliveries_in_commit_order(reports: &[&ProducerReport], all: &[Received]) {
+    let by_id: HashMap<&str, &Produced> = reports
+        .iter()
+        .flat_map(|r| r.committed.iter().chain(&r.in_doubt))
+        .map(|e| (e.id.as_str(), e))
+        .collect();
+    let mut first_seen = HashSet::new();
+    let mut last_seq: HashMap<&str, u64> = HashMap::new();
+    let mut out_of_order = Vec::new();
+    for (i, r) in all.iter().enumerate() {
+        let id = r.message_id();
+        if !first_seen.insert(id.clone()) {
+            continue;
+        }
+        let e = by_id[id.as_str()];
+        assert_eq!(
+            r.json()["seq"].as_u64(),
+            Some(e.seq),
+            "payload of {id} does not match what was inserted"
+        );
+        if let Some(prev) = last_seq.insert(&e.aggregate, e.seq)
+            && e.seq <= prev
+        {
+            out_of_order.push(format!(
+                "delivery #{i}: {} seq {} after seq {prev}",
+                e.aggregate, e.seq
+            ));
+        }
+    }
+    assert!(
+        out_of_order.is_empty(),
+        "{} first deliveries out of commit order, e.g. {:?}",
+        out_of_order.len(),
+        &out_of_order[..out_of_order.len().min(5)]
+    );
 }
 
 /// Checks deliveries against what producers did: every committed event

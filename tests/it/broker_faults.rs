@@ -38,6 +38,14 @@ async fn broker_closes_all_connections_mid_stream_loses_nothing() {
     broker_fault_mid_stream("brkclose", Fault::CloseAllConnections).await;
 }
 
+/// Four publishing channels, each a connection the stop cuts: every
+/// committed event arrives, and each aggregate's first deliveries are in
+/// commit order (16 aggregates, over all four channels).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_stop_start_with_four_channels_keeps_each_aggregate_in_order() {
+    broker_fault_on("brkstop4", Fault::StopStart, "channels = 4\n", 16).await;
+}
+
 /// A hung broker while messages wait for confirms: the session must end
 /// within the confirm timeout, and after the broker resumes every committed
 /// event arrives.
@@ -47,18 +55,31 @@ async fn hung_broker_ends_the_session_after_the_confirm_timeout() {
 }
 
 async fn broker_fault_mid_stream(name: &str, fault: Fault) {
+    broker_fault_on(name, fault, "", 4).await;
+}
+
+/// The fault, with `config` more in `[rabbitmq]` and a producer over
+/// `aggregates` aggregates.
+async fn broker_fault_on(name: &str, fault: Fault, config: &str, aggregates: u64) {
     let _turn = SERIAL.lock().await;
     let started = Instant::now();
-    let mut fx = match fault {
-        Fault::Hang => Fixture::with_config(name, HANG_CONFIRM_TIMEOUT).await,
-        _ => Fixture::new(name).await,
+    let config = match fault {
+        Fault::Hang => format!("{HANG_CONFIRM_TIMEOUT}{config}"),
+        _ => config.to_owned(),
     };
+    let mut fx = Fixture::with_config(name, &config).await;
     // The test's own consumer connection dies with the fault too; this one
     // comes back by itself.
     let subscriptions = fx.start_reconnecting_consumer().await;
     let mut relay = fx.spawn_relay();
 
-    let load = Load::start(&fx, [ProducerSpec::new("agg", 1)]);
+    let load = Load::start(
+        &fx,
+        [ProducerSpec {
+            aggregates,
+            ..ProducerSpec::new("agg", 1)
+        }],
+    );
 
     // Deliveries flowing first, so that the fault lands mid-stream.
     let mut all = Vec::new();
@@ -119,6 +140,7 @@ async fn broker_fault_mid_stream(name: &str, fault: Fault) {
         )
         .await;
     let catch_up_secs = drained_at.elapsed().as_secs_f64();
+    first_deliveries_in_commit_order(&[&report], &all);
 
     relay.assert_running("after the broker came back");
     // The fault really reached the relay: it ended a session and reconnected.
