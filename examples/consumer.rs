@@ -21,8 +21,20 @@
 //!     --queue orders --pg postgres://app@127.0.0.1/app --consumer billing
 //! ```
 //!
-//! The business change here is an insert into `consumer_effects` (made if
-//! missing), one row per applied event: the tests count those rows.
+//! **N workers, each aggregate in order** (README, "Consuming in
+//! parallel"): `--partitions N --exchange E` declares a consistent-hash
+//! exchange `<queue>.partitions` (plugin `rabbitmq_consistent_hash_exchange`)
+//! bound to the relay's exchange `E` with `--binding-key` (default `#`),
+//! hashing on the `aggregate_id` header, and N queues `<queue>.0` ..
+//! `<queue>.<N-1>` bound to it with weight 1, each with
+//! `x-single-active-consumer`; then runs one worker per queue. One
+//! aggregate's events all go to one queue, read by one consumer at a time:
+//! a second process started the same way stands by and takes a queue over
+//! only when the active one goes. Across queues, nothing is ordered.
+//!
+//! The business change here is an insert into `consumer_effects`
+//! (`examples/consumer_effects.sql`, made if missing), one row per applied
+//! event, numbered in the order applied: the tests read those rows.
 //! `CONSUMER_EXIT_AFTER=apply|commit` with `CONSUMER_EXIT_EVENT=<id>` makes
 //! the process die at that point of that event (abort: no ack, no commit
 //! unless done), for the crash-window tests.
@@ -53,6 +65,10 @@ struct Args {
     consumer: String,
     prefetch: u16,
     metrics: Option<String>,
+    /// Workers, each on a queue of its own (0: one worker on `queue`).
+    partitions: u16,
+    exchange: String,
+    binding_key: String,
 }
 
 fn args() -> Result<Args, String> {
@@ -63,6 +79,9 @@ fn args() -> Result<Args, String> {
         consumer: "consumer".into(),
         prefetch: 32,
         metrics: None,
+        partitions: 0,
+        exchange: String::new(),
+        binding_key: "#".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -74,15 +93,24 @@ fn args() -> Result<Args, String> {
             "--consumer" => a.consumer = v()?,
             "--prefetch" => a.prefetch = v()?.parse().map_err(|e| format!("--prefetch: {e}"))?,
             "--metrics" => a.metrics = Some(v()?),
+            "--partitions" => {
+                a.partitions = v()?.parse().map_err(|e| format!("--partitions: {e}"))?
+            }
+            "--exchange" => a.exchange = v()?,
+            "--binding-key" => a.binding_key = v()?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
     if a.amqp.is_empty() || a.queue.is_empty() || a.pg.is_empty() {
         return Err(
             "usage: consumer --amqp URL --queue Q --pg URL [--consumer NAME] \
-                    [--prefetch N] [--metrics HOST:PORT]"
+                    [--prefetch N] [--metrics HOST:PORT] \
+                    [--partitions N --exchange E [--binding-key K]]"
                 .into(),
         );
+    }
+    if a.partitions > 0 && a.exchange.is_empty() {
+        return Err("--partitions needs --exchange (the relay's exchange)".into());
     }
     Ok(a)
 }
@@ -100,27 +128,110 @@ async fn main() {
     if let Some(addr) = a.metrics.clone() {
         tokio::spawn(serve_metrics(addr, Arc::clone(&counters)));
     }
-    loop {
-        if let Err(e) = consume(&a, &counters).await {
-            eprintln!("consumer: {e}; reconnecting");
+    let queues: Vec<String> = if a.partitions == 0 {
+        vec![a.queue.clone()]
+    } else {
+        loop {
+            match declare_partitions(&a).await {
+                Ok(queues) => break queues,
+                Err(e) => eprintln!("consumer: declaring the partitions: {e}; again"),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        counters.reconnects.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    };
+    let a = Arc::new(a);
+    let workers: Vec<_> = queues
+        .into_iter()
+        .map(|queue| {
+            let (a, counters) = (Arc::clone(&a), Arc::clone(&counters));
+            tokio::spawn(async move {
+                loop {
+                    if let Err(e) = consume(&a, &queue, &counters).await {
+                        eprintln!("consumer: {queue}: {e}; reconnecting");
+                    }
+                    counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            })
+        })
+        .collect();
+    futures_util::future::join_all(workers).await;
 }
 
-/// One connection to each server, consuming until either fails.
-async fn consume(a: &Args, c: &Counters) -> Result<(), String> {
+/// The consistent-hash exchange and its N single-active-consumer queues
+/// (see the top of this file); returns the queues' names.
+async fn declare_partitions(a: &Args) -> Result<Vec<String>, String> {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions};
+    use lapin::types::AMQPValue;
+    let mq = Connection::connect(&a.amqp, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("RabbitMQ: {e}"))?;
+    let ch = mq.create_channel().await.map_err(|e| e.to_string())?;
+    let hash = format!("{}.partitions", a.queue);
+    let mut args = FieldTable::default();
+    args.insert(
+        "hash-header".into(),
+        AMQPValue::LongString("aggregate_id".into()),
+    );
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.exchange_declare(
+        hash.as_str().into(),
+        lapin::ExchangeKind::Custom("x-consistent-hash".into()),
+        durable,
+        args,
+    )
+    .await
+    .map_err(|e| format!("{e} (is plugin rabbitmq_consistent_hash_exchange enabled?)"))?;
+    ch.exchange_bind(
+        hash.as_str().into(),
+        a.exchange.as_str().into(),
+        a.binding_key.as_str().into(),
+        ExchangeBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let mut queues = Vec::new();
+    for i in 0..a.partitions {
+        let q = format!("{}.{i}", a.queue);
+        let mut args = FieldTable::default();
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.queue_declare(q.as_str().into(), durable, args)
+            .await
+            .map_err(|e| e.to_string())?;
+        // The routing key of a consistent-hash binding is its weight.
+        ch.queue_bind(
+            q.as_str().into(),
+            hash.as_str().into(),
+            "1".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        queues.push(q);
+    }
+    let _ = mq.close(200, "declared".into()).await;
+    Ok(queues)
+}
+
+/// One connection to each server, consuming `queue` until either fails.
+async fn consume(a: &Args, queue: &str, c: &Counters) -> Result<(), String> {
     let (mut db, conn) = tokio_postgres::connect(&a.pg, NoTls)
         .await
         .map_err(|e| format!("PostgreSQL: {e}"))?;
     tokio::spawn(conn);
-    db.batch_execute(
-        "CREATE TABLE IF NOT EXISTS consumer_effects (\
-           event_id text NOT NULL, aggregate_id text, applied_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .await
-    .map_err(|e| format!("PostgreSQL: {e}"))?;
+    db.batch_execute(include_str!("consumer_effects.sql"))
+        .await
+        .map_err(|e| format!("PostgreSQL: {e}"))?;
     let mq = Connection::connect(&a.amqp, ConnectionProperties::default())
         .await
         .map_err(|e| format!("RabbitMQ: {e}"))?;
@@ -131,14 +242,14 @@ async fn consume(a: &Args, c: &Counters) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let mut deliveries = ch
         .basic_consume(
-            a.queue.as_str().into(),
+            queue.into(),
             a.consumer.as_str().into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await
         .map_err(|e| e.to_string())?;
-    eprintln!("consumer: consuming {}", a.queue);
+    eprintln!("consumer: consuming {queue}");
     while let Some(d) = deliveries.next().await {
         let d = d.map_err(|e| format!("RabbitMQ: {e}"))?;
         let id = d.properties.message_id().as_ref().map(|s| s.to_string());
@@ -187,8 +298,8 @@ async fn consume(a: &Args, c: &Counters) -> Result<(), String> {
             Err(e) => return Err(format!("PostgreSQL: {e}")),
             Ok(_) => {
                 tx.execute(
-                    "INSERT INTO consumer_effects (event_id, aggregate_id) VALUES ($1, $2)",
-                    &[&id, &aggregate],
+                    "INSERT INTO consumer_effects (event_id, aggregate_id, queue) VALUES ($1, $2, $3)",
+                    &[&id, &aggregate, &queue],
                 )
                 .await
                 .map_err(|e| format!("PostgreSQL: {e}"))?;

@@ -267,7 +267,9 @@ rabbitmq_init() {
     # Anything under /etc/rabbitmq is for the system node: point every
     # config path at files of our own, some of them empty or absent.
     : >"$r/rabbitmq-env.conf"
-    echo '[].' >"$r/enabled_plugins"
+    # The consistent-hash exchange (shipped with the server): the example
+    # consumer's partitions (README, "Consuming in parallel").
+    echo '[rabbitmq_consistent_hash_exchange].' >"$r/enabled_plugins"
     cat >"$r/rabbitmq.conf" <<EOF
 listeners.tcp.default = 127.0.0.1:$amqp_port
 # Let guest/guest log in over 127.0.0.1 TCP like any other client.

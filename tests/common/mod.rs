@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+mod example_consumer;
 mod faults;
 mod fixture;
 mod observe;
@@ -14,6 +15,8 @@ mod servers;
 
 // Each test binary uses some of these; `#![allow(dead_code)]` does not
 // cover an unused re-export.
+#[allow(unused_imports)]
+pub use example_consumer::*;
 #[allow(unused_imports)]
 pub use faults::*;
 #[allow(unused_imports)]

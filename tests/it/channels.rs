@@ -173,3 +173,146 @@ async fn a_channel_held_by_nacks_holds_the_slot_while_the_others_deliver() {
     fx.delete_queue(&full).await;
     fx.cleanup().await;
 }
+
+/// The consuming half (README, "Consuming in parallel"): the example
+/// consumer with `--partitions 4` (a consistent-hash exchange on the
+/// `aggregate_id` header, four single-active-consumer queues), two
+/// processes of it, the active one killed (`kill -9`) midway. Every event
+/// has exactly one effect, each aggregate's effects were applied from one
+/// queue and in commit order, and more than one queue was used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_partitioned_workers_apply_each_aggregate_in_order_across_a_worker_kill() {
+    let fx = Fixture::with_config("chanpart", FOUR).await;
+    let pg = pg_connect().await;
+    prepare_consumer_tables(&pg).await;
+    let args = ["--partitions", "4", "--exchange", fx.exchange.as_str()];
+    let name = format!("part_{}", fx.name);
+    let mut active = Consumer::start(&fx, &name, None, &args);
+    // Its queues exist (and are bound) before anything is written.
+    let ch = fx.amqp.create_channel().await.unwrap();
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let last = format!("{}.3", fx.queue);
+        let ch = fx.amqp.create_channel().await.unwrap();
+        let found = ch
+            .queue_declare(last.as_str().into(), passive, Default::default())
+            .await;
+        if found.is_ok() && active.counter("consumer_reconnects_total").await == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the consumer never declared its partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let standby = Consumer::start(&fx, &name, None, &args);
+    let relay = fx.spawn_relay();
+
+    let sql = fx.insert_sql();
+    let mut sent: Vec<(String, String, u32)> = Vec::new();
+    let mut producer = pg_connect().await;
+    for t in 0..120u32 {
+        if t == 60 {
+            // Midway, the active consumer dies: the standby takes its
+            // queues over, the unacked messages first.
+            active.child.kill().unwrap();
+            active.child.wait().unwrap();
+        }
+        let tx = producer.transaction().await.unwrap();
+        for k in 0..5u32 {
+            let n = t * 5 + k;
+            let agg = format!("p{}", n % 16);
+            let row = tx
+                .query_one(
+                    &sql,
+                    &[&"cart", &agg, &"item_added", &format!("{{\"n\": {n}}}")],
+                )
+                .await
+                .unwrap();
+            sent.push((row.get(0), agg, n));
+        }
+        tx.commit().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let ids: Vec<&str> = sent.iter().map(|(id, _, _)| id.as_str()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let rows = loop {
+        let rows = pg
+            .query(
+                "SELECT event_id, queue FROM consumer_effects WHERE event_id = ANY($1) ORDER BY seq",
+                &[&ids],
+            )
+            .await
+            .unwrap();
+        if rows.len() >= ids.len() {
+            break rows;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {} events applied; relay log:\n{}",
+            rows.len(),
+            ids.len(),
+            relay.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    // Settle: a late duplicate effect would show now.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let again: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM consumer_effects WHERE event_id = ANY($1)",
+            &[&ids],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(again as usize, ids.len(), "an event applied twice");
+
+    let of: HashMap<&str, (&str, u32)> = (sent.iter())
+        .map(|(id, agg, n)| (id.as_str(), (agg.as_str(), *n)))
+        .collect();
+    let mut last: HashMap<&str, (u32, String)> = HashMap::new();
+    let mut queues = std::collections::HashSet::new();
+    for r in &rows {
+        let id: String = r.get(0);
+        let queue: String = r.get(1);
+        let (agg, n) = of[id.as_str()];
+        queues.insert(queue.clone());
+        if let Some((before, q)) = last.insert(agg, (n, queue.clone())) {
+            assert!(
+                before < n,
+                "aggregate {agg}: event {n} applied after {before}"
+            );
+            assert_eq!(q, queue, "aggregate {agg} applied from two queues");
+        }
+    }
+    assert!(
+        queues.len() > 1,
+        "every aggregate went to one queue: {queues:?}"
+    );
+    println!(
+        "four partitions: {} events applied once each from {} queues, in commit order per aggregate; \
+         {} duplicates seen by the standby",
+        ids.len(),
+        queues.len(),
+        standby.counter("consumer_duplicates_total").await
+    );
+
+    relay.stop_ok();
+    drop(standby);
+    for i in 0..4 {
+        let q = format!("{}.{i}", fx.queue);
+        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+    }
+    let hash = format!("{}.partitions", fx.queue);
+    let _ = ch
+        .exchange_delete(hash.as_str().into(), Default::default())
+        .await;
+    fx.cleanup().await;
+}

@@ -15,125 +15,12 @@
 
 use crate::common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// The example consumer: the one `make test` built before the suite
-/// (`TEST_CONSUMER_BIN`, set by integration/suite.sh), or else built
-/// once per test run here: `cargo test` compiles examples but does not
-/// always leave them at a stable path, and a clean checkout has none yet.
-fn consumer_bin() -> std::path::PathBuf {
-    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            if let Some(bin) = std::env::var_os("TEST_CONSUMER_BIN") {
-                let bin = std::path::PathBuf::from(bin);
-                assert!(bin.is_file(), "TEST_CONSUMER_BIN: no file {bin:?}");
-                return bin;
-            }
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = Command::new(cargo)
-                .args(["build", "--quiet", "--example", "consumer"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .status()
-                .expect("running cargo build --example consumer");
-            assert!(status.success(), "cargo build --example consumer failed");
-            let relay = std::path::PathBuf::from(env!("CARGO_BIN_EXE_outbox-relay"));
-            relay.parent().unwrap().join("examples").join("consumer")
-        })
-        .clone()
-}
-
-struct Consumer {
-    child: Child,
-    metrics: String,
-}
-
-impl Drop for Consumer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Consumer {
-    fn start(fx: &Fixture, name: &str, exit: Option<(&str, &str)>) -> Consumer {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let metrics = format!("127.0.0.1:{port}");
-        let mut cmd = Command::new(consumer_bin());
-        cmd.args([
-            "--amqp",
-            &amqp_url(),
-            "--queue",
-            &fx.queue,
-            "--pg",
-            &pg_url(),
-        ])
-        .args(["--consumer", name, "--prefetch", "8", "--metrics", &metrics])
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(
-            std::fs::File::create(fx.dir.path().join(format!("consumer-{name}.log"))).unwrap(),
-        ));
-        if let Some((at, id)) = exit {
-            cmd.env("CONSUMER_EXIT_AFTER", at)
-                .env("CONSUMER_EXIT_EVENT", id);
-        }
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", consumer_bin().display()));
-        Consumer { child, metrics }
-    }
-
-    /// A counter from its `/metrics`.
-    async fn counter(&self, name: &str) -> u64 {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut s) = tokio::net::TcpStream::connect(&self.metrics).await {
-                s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await.unwrap();
-                let mut text = String::new();
-                s.read_to_string(&mut text).await.unwrap();
-                if let Some(v) = text
-                    .lines()
-                    .find_map(|l| l.strip_prefix(&format!("{name} ")))
-                {
-                    return v.trim().parse().unwrap();
-                }
-            }
-            assert!(Instant::now() < deadline, "no /metrics from the consumer");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    /// Waits until the process died (the crash hook).
-    fn wait_died(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.child.try_wait().unwrap().is_none() {
-            assert!(Instant::now() < deadline, "the consumer did not die");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-async fn prepare(pg: &tokio_postgres::Client) {
-    let inbox =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/sql/inbox.sql")).unwrap();
-    pg.batch_execute(&inbox).await.unwrap();
-    pg.batch_execute(
-        "CREATE TABLE IF NOT EXISTS consumer_effects (\
-           event_id text NOT NULL, aggregate_id text, applied_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .await
-    .unwrap();
-}
 
 /// Rows of business effect for `id`.
 async fn effects(pg: &tokio_postgres::Client, id: &str) -> i64 {
@@ -274,7 +161,7 @@ async fn a_relay_killed_before_reporting_resends_and_the_consumer_applies_once()
     let _turn = SERIAL.lock().await;
     let fx = Fixture::new("cw_relay").await;
     let pg = pg_connect().await;
-    prepare(&pg).await;
+    prepare_consumer_tables(&pg).await;
     // Nothing reported for a minute, and no checkpoint table to resume
     // from: a kill replays everything since the start.
     let text = std::fs::read_to_string(&fx.config).unwrap().replace(
@@ -285,7 +172,7 @@ async fn a_relay_killed_before_reporting_resends_and_the_consumer_applies_once()
         ),
     );
     std::fs::write(&fx.config, text).unwrap();
-    let consumer = Consumer::start(&fx, &fx.name, None);
+    let consumer = Consumer::start(&fx, &fx.name, None, &[]);
     let relay = fx.spawn_relay();
     let id = fx
         .insert(&pg, "order", "o1", "placed", &serde_json::json!({"n": 1}))
@@ -319,14 +206,14 @@ async fn a_consumer_that_dies_mid_message_still_applies_once() {
     let _turn = SERIAL.lock().await;
     let fx = Fixture::new("cw_consumer").await;
     let pg = pg_connect().await;
-    prepare(&pg).await;
+    prepare_consumer_tables(&pg).await;
     let relay = fx.spawn_relay();
     for (point, dup_expected) in [("apply", 0), ("commit", 1)] {
         let name = format!("{}_{point}", fx.name);
         let id = fx
             .insert(&pg, "order", point, "placed", &serde_json::json!({}))
             .await;
-        let mut dying = Consumer::start(&fx, &name, Some((point, &id)));
+        let mut dying = Consumer::start(&fx, &name, Some((point, &id)), &[]);
         dying.wait_died();
         let applied = effects(&pg, &id).await;
         assert_eq!(
@@ -334,7 +221,7 @@ async fn a_consumer_that_dies_mid_message_still_applies_once() {
             i64::from(point == "commit"),
             "after dying at {point}"
         );
-        let consumer = Consumer::start(&fx, &name, None);
+        let consumer = Consumer::start(&fx, &name, None, &[]);
         wait_effect(&pg, &id).await;
         // The redelivery was handled (acked): one more insert shows it.
         let marker = fx
