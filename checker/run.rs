@@ -285,10 +285,14 @@ async fn run(s: &Schedule) -> Report {
             .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400)),
     );
     // Read again: a statement given up on may have committed meanwhile.
-    let record = match oracle::committed(&pg_connect_retry().await, &w.observer, &w.record).await {
-        Ok(again) if again.len() >= record.len() => again,
-        _ => record,
-    };
+    let mut record =
+        match oracle::committed(&pg_connect_retry().await, &w.observer, &w.record).await {
+            Ok(again) if again.len() >= record.len() => again,
+            _ => record,
+        };
+    if s.setup.channels == 1 {
+        oracle::by_id_alone(&mut record);
+    }
     // A documented stop must have a cause among the faults: the relay
     // asking for `recover` or `republish` after a plain restart would be a
     // defect the remedy hides. A slot lost before the relay recorded any
