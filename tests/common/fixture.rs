@@ -112,12 +112,22 @@ impl Fixture {
     /// pair) and the broker nodes `amqp` (e.g. a cluster; the queue is
     /// then a quorum queue).
     pub async fn on_servers(test: &str, pg: &str, amqp: &[String]) -> Fixture {
+        Self::on_servers_with(test, "", pg, amqp).await
+    }
+
+    /// As [`Fixture::on_servers`], with extra TOML in `[rabbitmq]`.
+    pub async fn on_servers_with(
+        test: &str,
+        rabbitmq_extra: &str,
+        pg: &str,
+        amqp: &[String],
+    ) -> Fixture {
         let ddl = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/sql/outbox.sql"))
             .unwrap()
             .replace("CREATE TABLE outbox", "CREATE TABLE {table}");
         Self::build(
             test,
-            "",
+            rabbitmq_extra,
             &ddl,
             (pg.to_owned(), amqp.to_vec()),
             amqp.len() > 1,

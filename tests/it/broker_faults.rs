@@ -140,7 +140,7 @@ async fn broker_fault_on(name: &str, fault: Fault, config: &str, aggregates: u64
         )
         .await;
     let catch_up_secs = drained_at.elapsed().as_secs_f64();
-    first_deliveries_in_commit_order(&[&report], &all);
+    first_deliveries_in_commit_order(&[&report], &all, &refused_ids(&[&relay]));
 
     relay.assert_running("after the broker came back");
     // The fault really reached the relay: it ended a session and reconnected.

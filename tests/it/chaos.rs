@@ -174,7 +174,11 @@ async fn chaos_schedule_loses_nothing_and_keeps_order() {
     let recovery_secs = recovery.elapsed().as_secs_f64();
 
     // Per aggregate, first deliveries in commit order.
-    first_deliveries_in_commit_order(&reports.iter().collect::<Vec<_>>(), &all);
+    first_deliveries_in_commit_order(
+        &reports.iter().collect::<Vec<_>>(),
+        &all,
+        &Default::default(),
+    );
 
     // The slot reaches the last commit. A producer whose last LSN query was
     // cut off did commit after its last known LSN: use a later position.

@@ -94,50 +94,6 @@ async fn wait_streaming_again(
     }
 }
 
-/// Events the broker refused (returned or nacked) that the relay published
-/// again, from the relays' logs.
-fn refused_ids(relays: &[Relay]) -> HashSet<String> {
-    log_lines(relays, "will publish again")
-        .iter()
-        .filter_map(|l| l.split("event_id=").nth(1)?.split_whitespace().next())
-        .map(|id| id.trim_matches('"').to_owned())
-        .collect()
-}
-
-/// First deliveries of each aggregate follow its sequence numbers, except
-/// an event the broker itself refused (`refused`): RabbitMQ confirms each
-/// message on its own, so while a queue is unavailable it may refuse one
-/// and take the next, and the refused one, published again, arrives after.
-fn assert_first_deliveries_in_order(
-    all: &[Received],
-    known: &HashMap<&str, &Produced>,
-    refused: &HashSet<String>,
-) {
-    let mut first = HashSet::new();
-    let mut last: HashMap<&str, u64> = HashMap::new();
-    for r in all {
-        let id = r.message_id();
-        let Some(e) = known.get(id.as_str()) else {
-            continue;
-        };
-        if !first.insert(id.clone()) {
-            continue;
-        }
-        let prev = last.get(e.aggregate.as_str()).copied();
-        if let Some(prev) = prev.filter(|&p| e.seq < p) {
-            assert!(
-                refused.contains(&id),
-                "{}: seq {} delivered first after seq {prev} (the broker refused {} events)",
-                e.aggregate,
-                e.seq,
-                refused.len()
-            );
-            continue;
-        }
-        last.insert(&e.aggregate, e.seq);
-    }
-}
-
 fn producer_spec(name: &str) -> ProducerSpec {
     ProducerSpec {
         aggregates: 4,
@@ -163,24 +119,9 @@ fn node_of(line: Option<&String>, ports: &[String]) -> Option<usize> {
 /// committed is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
+    let _turn = CLUSTER.lock().await;
     let started = Instant::now();
-    harness_async(vec!["cluster".into(), "up".into()]).await;
-    let env = env_file("cluster/env");
-    let urls: Vec<String> = (1..=3)
-        .map(|i| env[&format!("TEST_CLUSTER_AMQP_URL_{i}")].clone())
-        .collect();
-    let ports: Vec<String> = urls
-        .iter()
-        .map(|u| {
-            u.rsplit(':')
-                .next()
-                .unwrap()
-                .split('/')
-                .next()
-                .unwrap()
-                .to_owned()
-        })
-        .collect();
+    let (urls, ports) = cluster_up().await;
     let mut fx = Fixture::on_servers("cluster", &pg_url(), &urls).await;
     fx.start_reconnecting_consumer().await;
     let mut relays = vec![fx.spawn_relay(), fx.spawn_relay()];
@@ -238,13 +179,8 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
             Some(&relays[0]),
         )
         .await;
-    let known: HashMap<&str, &Produced> = report
-        .committed
-        .iter()
-        .map(|e| (e.id.as_str(), e))
-        .collect();
-    let refused = refused_ids(&relays);
-    assert_first_deliveries_in_order(&all, &known, &refused);
+    let refused = refused_ids(&relays.iter().collect::<Vec<_>>());
+    first_deliveries_in_commit_order(&[&report], &all, &refused);
     println!(
         "RabbitMQ cluster: {}; {} committed events, {} deliveries, {duplicates} duplicates, \
          {} refused by the broker and published again; test wall time {:.1}s",
@@ -253,6 +189,106 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
         all.len(),
         refused.len(),
         started.elapsed().as_secs_f64()
+    );
+    for r in relays {
+        r.stop_ok();
+    }
+    fx.cleanup().await;
+}
+
+/// The cluster's faults hit every test on it: they take turns.
+static CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The three-node cluster up; its nodes' URLs and AMQP ports.
+async fn cluster_up() -> (Vec<String>, Vec<String>) {
+    harness_async(vec!["cluster".into(), "up".into()]).await;
+    let env = env_file("cluster/env");
+    let urls: Vec<String> = (1..=3)
+        .map(|i| env[&format!("TEST_CLUSTER_AMQP_URL_{i}")].clone())
+        .collect();
+    let ports: Vec<String> = urls
+        .iter()
+        .map(|u| {
+            u.rsplit(':')
+                .next()
+                .unwrap()
+                .split('/')
+                .next()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    (urls, ports)
+}
+
+/// Four publishing channels on the three-node cluster: their connections
+/// spread over all three nodes; a node stopped, the next session's spread
+/// over the other two; nothing committed is lost, and each aggregate's
+/// first deliveries keep commit order (16 aggregates over four channels).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_channels_spread_over_the_cluster_and_live_through_a_node_stop() {
+    let _turn = CLUSTER.lock().await;
+    let (urls, ports) = cluster_up().await;
+    let mut fx = Fixture::on_servers_with("cluster4", "channels = 4\n", &pg_url(), &urls).await;
+    fx.start_reconnecting_consumer().await;
+    let mut relays = vec![fx.spawn_relay()];
+    let load = Load::start(
+        &fx,
+        [ProducerSpec {
+            aggregates: 16,
+            ..producer_spec("c4")
+        }],
+    );
+    let mut all = Vec::new();
+    fx.wait_deliveries(&mut all, 30, Duration::from_secs(60), Some(&relays[0]))
+        .await;
+    let nodes = |lines: &[String]| -> HashSet<usize> {
+        lines
+            .iter()
+            .filter_map(|l| node_of(Some(l), &ports))
+            .collect()
+    };
+    let first = log_lines(&relays, "connected to RabbitMQ");
+    assert_eq!(first.len(), 4, "four connections:\n{}", tails(&relays));
+    assert_eq!(
+        nodes(&first).len(),
+        3,
+        "spread over the three nodes: {first:?}"
+    );
+
+    let before = log_lines(&relays, "streaming from LSN").len();
+    let t0 = Instant::now();
+    harness_async(vec!["cluster".into(), "stop".into(), "2".into()]).await;
+    let secs = wait_streaming_again(&relays, before, |_| true, t0).await;
+    let again = log_lines(&relays, "connected to RabbitMQ");
+    let session: Vec<String> = again[again.len() - 4..].to_vec();
+    let spread = nodes(&session);
+    harness_async(vec!["cluster".into(), "start".into(), "2".into()]).await;
+    assert!(
+        !spread.contains(&2) && spread.len() == 2,
+        "the next session's connections, node 2 stopped: {session:?}"
+    );
+    relays[0].assert_running("after the node stop");
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let report = load.stop_one().await;
+    let duplicates = fx
+        .committed_arrive(
+            &mut all,
+            &[&report],
+            Duration::from_secs(90),
+            Duration::from_secs(2),
+            Some(&relays[0]),
+        )
+        .await;
+    let refused = refused_ids(&relays.iter().collect::<Vec<_>>());
+    first_deliveries_in_commit_order(&[&report], &all, &refused);
+    println!(
+        "four channels on the cluster: nodes {:?} then {spread:?} after node 2 stopped \
+         (streaming again after {secs:.1}s); {} committed events, {} deliveries, {duplicates} duplicates",
+        nodes(&first),
+        report.committed.len(),
+        all.len(),
     );
     for r in relays {
         r.stop_ok();
@@ -399,12 +435,8 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
     // (asynchronous replication; PostgreSQL 17's synchronized_standby_slots
     // closes this): possible, counted.
     let ghosts = counts.keys().filter(|id| !have.contains(id)).count();
-    let known: HashMap<&str, &Produced> = report
-        .committed
-        .iter()
-        .map(|e| (e.id.as_str(), e))
-        .collect();
-    assert_first_deliveries_in_order(&all, &known, &refused_ids(&relays));
+    let refused = refused_ids(&relays.iter().collect::<Vec<_>>());
+    first_deliveries_in_commit_order(&[&report], &all, &refused);
     println!(
         "PostgreSQL failover: streaming again {secs:.1}s after the primary crashed \
          (promotion included); {} rows on the new primary all delivered, {} deliveries, \
