@@ -168,19 +168,7 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
         }
     }
 
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let report = load.stop_one().await;
-    let duplicates = fx
-        .committed_arrive(
-            &mut all,
-            &[&report],
-            Duration::from_secs(90),
-            Duration::from_secs(2),
-            Some(&relays[0]),
-        )
-        .await;
-    let refused = refused_ids(&relays.iter().collect::<Vec<_>>());
-    first_deliveries_in_commit_order(&[&report], &all, &refused);
+    let (report, duplicates, refused) = all_arrive_in_order(&mut fx, load, &mut all, &relays).await;
     println!(
         "RabbitMQ cluster: {}; {} committed events, {} deliveries, {duplicates} duplicates, \
          {} refused by the broker and published again; test wall time {:.1}s",
@@ -194,6 +182,32 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
         r.stop_ok();
     }
     fx.cleanup().await;
+}
+
+/// Two seconds more of load, then the producer stopped: every committed
+/// event arrives, first deliveries in commit order per aggregate (but for
+/// what the broker refused). Returns the producer's report, the duplicate
+/// count and the refused events.
+async fn all_arrive_in_order(
+    fx: &mut Fixture,
+    load: Load,
+    all: &mut Vec<Received>,
+    relays: &[Relay],
+) -> (ProducerReport, usize, HashSet<String>) {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let report = load.stop_one().await;
+    let duplicates = fx
+        .committed_arrive(
+            all,
+            &[&report],
+            Duration::from_secs(90),
+            Duration::from_secs(2),
+            Some(&relays[0]),
+        )
+        .await;
+    let refused = refused_ids(&relays.iter().collect::<Vec<_>>());
+    first_deliveries_in_commit_order(&[&report], all, &refused);
+    (report, duplicates, refused)
 }
 
 /// The cluster's faults hit every test on it: they take turns.
@@ -270,25 +284,15 @@ async fn four_channels_spread_over_the_cluster_and_live_through_a_node_stop() {
     );
     relays[0].assert_running("after the node stop");
 
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let report = load.stop_one().await;
-    let duplicates = fx
-        .committed_arrive(
-            &mut all,
-            &[&report],
-            Duration::from_secs(90),
-            Duration::from_secs(2),
-            Some(&relays[0]),
-        )
-        .await;
-    let refused = refused_ids(&relays.iter().collect::<Vec<_>>());
-    first_deliveries_in_commit_order(&[&report], &all, &refused);
+    let (report, duplicates, refused) = all_arrive_in_order(&mut fx, load, &mut all, &relays).await;
     println!(
         "four channels on the cluster: nodes {:?} then {spread:?} after node 2 stopped \
-         (streaming again after {secs:.1}s); {} committed events, {} deliveries, {duplicates} duplicates",
+         (streaming again after {secs:.1}s); {} committed events, {} deliveries, {duplicates} duplicates, \
+         {} refused by the broker and published again",
         nodes(&first),
         report.committed.len(),
         all.len(),
+        refused.len(),
     );
     for r in relays {
         r.stop_ok();
