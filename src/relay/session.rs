@@ -284,11 +284,18 @@ impl Session {
         let (sink_res, head, lane) = match sink_res {
             Ok(()) => (Ok(()), None, None),
             Err(publisher::Failed { error, head, lane }) => {
+                // The broker's doing (not a row's, nor the stream's): the
+                // next session keeps off the node (channel 0's when no
+                // channel was named).
+                let broker = matches!(error, publisher::PublishError::Sink(_));
+                let lane = broker.then(|| lane.unwrap_or(0));
                 (Err(RelayError::from(error)), head, lane)
             }
         };
-        if sink_res.is_err() && !shutdown.is_cancelled() {
-            memory.nodes.failed(sinks[lane.unwrap_or(0)].node());
+        if let Some(lane) = lane
+            && !shutdown.is_cancelled()
+        {
+            memory.nodes.failed(sinks[lane].node());
         }
 
         // The gate's last word: the position it vouches for, or why none.

@@ -51,28 +51,40 @@ impl Nodes {
         (0..n).map(move |k| self.order[(self.next + k) % n])
     }
 
-    /// The order for publishing channel `lane` of several: from the
-    /// `lane`-th node on (counting from where the next attempt starts, and
-    /// over the nodes that did not fail lately while there are any), so
-    /// that the channels spread over the cluster's healthy nodes.
+    /// The order for publishing channel `lane` of several. Channel 0's is
+    /// the relay's own (one channel: as ever). Channel `lane` starts on the
+    /// `lane`-th node counting from where channel 0 starts, over the nodes
+    /// whose session did not fail in the last [`SHUN_FOR`] while there are
+    /// any, and tries those that did last: the channels spread over the
+    /// cluster's healthy nodes.
     pub fn for_lane(&self, lane: usize) -> Nodes {
         let n = self.order.len().max(1);
-        let now = Instant::now();
-        let failed = |node: usize| {
-            (self.failures.iter()).any(|&(f, at)| f == node && now.duration_since(at) < SHUN_FOR)
-        };
-        let healthy: Vec<usize> = (0..self.order.len())
-            .map(|k| (self.next + k) % n)
-            .filter(|&at| !failed(self.order[at]))
-            .collect();
-        let next = if healthy.is_empty() {
-            (self.next + lane) % n
-        } else {
-            healthy[lane % healthy.len()]
-        };
-        Nodes {
+        let plain = |next: usize| Nodes {
             order: self.order.clone(),
             next,
+            failures: Vec::new(),
+        };
+        if lane == 0 {
+            return plain(self.next);
+        }
+        let now = Instant::now();
+        let failed = |node: &usize| {
+            (self.failures.iter()).any(|&(f, at)| f == *node && now.duration_since(at) < SHUN_FOR)
+        };
+        let rotation = (0..self.order.len()).map(|k| self.order[(self.next + k) % n]);
+        let (shunned, healthy): (Vec<usize>, Vec<usize>) = rotation.partition(failed);
+        if healthy.is_empty() {
+            return plain((self.next + lane) % n);
+        }
+        let start = lane % healthy.len();
+        let order = (healthy[start..].iter())
+            .chain(&healthy[..start])
+            .chain(&shunned)
+            .copied()
+            .collect();
+        Nodes {
+            order,
+            next: 0,
             failures: Vec::new(),
         }
     }
@@ -148,9 +160,12 @@ mod tests {
         // Never all: the oldest failure is forgotten.
         n.failed(0);
         assert_eq!(firsts(&n, 2), [1, 1]);
-        // Every lane still tries every node, the passed-over last.
-        let all: Vec<usize> = n.for_lane(0).attempts().collect();
-        assert_eq!(all.len(), 3);
+        // A channel tries every node, those passed over last.
+        let mut n = nodes(3);
+        n.failed(0);
+        assert_eq!(n.for_lane(1).attempts().collect::<Vec<_>>(), [2, 1, 0]);
+        // Channel 0 keeps the one-channel order (after the failed node).
+        assert_eq!(n.for_lane(0).attempts().collect::<Vec<_>>(), [1, 2, 0]);
         let mut one = nodes(1);
         one.failed(0);
         assert_eq!(firsts(&one, 3), [0, 0, 0]);

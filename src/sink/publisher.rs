@@ -291,7 +291,18 @@ impl<'a> Publisher<'a> {
             commit_time_us,
         );
         f.lane = lane;
-        self.send_event(&mut sinks[lane], f, Verify::First)
+        let sent = self.send_event(&mut sinks[lane], f, Verify::First);
+        self.blame(lane, sent)
+    }
+
+    /// `r`, and, if it failed, `lane` as the channel the session failed on
+    /// (whose node the next session keeps off, whose oldest message is the
+    /// head blamed).
+    fn blame<T>(&mut self, lane: usize, r: Result<T, PublishError>) -> Result<T, PublishError> {
+        if r.is_err() {
+            self.failed_lane = Some(lane);
+        }
+        r
     }
 
     /// Publishes the event `f` holds, encoded straight from its row, or its
@@ -771,9 +782,8 @@ impl Publisher<'_> {
                 // watermark (waiting for them writes what is queued).
                 (lane, ev) = any_answer(sinks, first) => match ev {
                     Ok(ev) => {
-                        self.failed_lane = Some(lane);
-                        self.on_broker(lane, ev)?;
-                        self.failed_lane = None;
+                        let r = self.on_broker(lane, ev);
+                        self.blame(lane, r)?;
                     }
                     // The publishing channel closed: routed around when it
                     // can be.
@@ -787,13 +797,15 @@ impl Publisher<'_> {
                 // has its answer.
                 () = std::future::ready(()), if releasable.is_some() => {
                     let lane = releasable.expect("guarded");
-                    self.release(&mut sinks[lane], lane)?;
+                    let r = self.release(&mut sinks[lane], lane);
+                    self.blame(lane, r)?;
                 }
                 // 4. Retries whose delay is over.
                 Some(f) = self.retries.next(), if !self.retries.is_empty() && !blocked && !flushing => {
                     let env = f.envelope()?;
                     let lane = f.lane;
-                    self.launch(&mut sinks[lane], f, env)?;
+                    let r = self.launch(&mut sinks[lane], f, env);
+                    self.blame(lane, r)?;
                 }
                 // 5. New WAL, while there is room.
                 item = items.recv(), if room => self.on_items(sinks, item, items)?,
