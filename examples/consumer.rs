@@ -31,6 +31,10 @@
 //! aggregate's events all go to one queue, read by one consumer at a time:
 //! a second process started the same way stands by and takes a queue over
 //! only when the active one goes. Across queues, nothing is ordered.
+//! Changing N moves aggregates between queues, and a smaller N leaves the
+//! queues above it bound with nobody reading them: stop the relay's flow,
+//! drain every queue, delete `<queue>.partitions` and the queues, then
+//! start with the new N.
 //!
 //! The business change here is an insert into `consumer_effects`
 //! (`examples/consumer_effects.sql`, made if missing), one row per applied
@@ -134,7 +138,10 @@ async fn main() {
         loop {
             match declare_partitions(&a).await {
                 Ok(queues) => break queues,
-                Err(e) => eprintln!("consumer: declaring the partitions: {e}; again"),
+                Err(e) => eprintln!(
+                    "consumer: declaring the partitions: {}; again",
+                    redacted(&a, &e)
+                ),
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -147,7 +154,7 @@ async fn main() {
             tokio::spawn(async move {
                 loop {
                     if let Err(e) = consume(&a, &queue, &counters).await {
-                        eprintln!("consumer: {queue}: {e}; reconnecting");
+                        eprintln!("consumer: {queue}: {}; reconnecting", redacted(&a, &e));
                     }
                     counters.reconnects.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -156,6 +163,26 @@ async fn main() {
         })
         .collect();
     futures_util::future::join_all(workers).await;
+}
+
+/// `msg` without the URLs' passwords (a client's error may quote a URL it
+/// could not parse whole).
+fn redacted(a: &Args, msg: &str) -> String {
+    let mut m = msg.to_owned();
+    for (url, name) in [(&a.amqp, "<--amqp URL>"), (&a.pg, "<--pg URL>")] {
+        if !url.is_empty() {
+            m = m.replace(url.as_str(), name);
+        }
+        // However the URL is written: between the last ':' before '@', and '@'.
+        let password = (url.rsplit_once('@'))
+            .and_then(|(userinfo, _)| userinfo.rsplit_once(':'))
+            .map(|(_, p)| p)
+            .filter(|p| !p.is_empty() && !p.starts_with('/'));
+        if let Some(p) = password {
+            m = m.replace(p, "***");
+        }
+    }
+    m
 }
 
 /// The consistent-hash exchange and its N single-active-consumer queues

@@ -188,25 +188,28 @@ async fn four_partitioned_workers_apply_each_aggregate_in_order_across_a_worker_
     let args = ["--partitions", "4", "--exchange", fx.exchange.as_str()];
     let name = format!("part_{}", fx.name);
     let mut active = Consumer::start(&fx, &name, None, &args);
-    // Its queues exist (and are bound) before anything is written.
-    let ch = fx.amqp.create_channel().await.unwrap();
+    // Its workers consume all four queues (declared and bound before)
+    // before anything is written, so that it is the active consumer of
+    // each.
     let passive = lapin::options::QueueDeclareOptions {
         passive: true,
         ..Default::default()
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let last = format!("{}.3", fx.queue);
-        let ch = fx.amqp.create_channel().await.unwrap();
-        let found = ch
-            .queue_declare(last.as_str().into(), passive, Default::default())
-            .await;
-        if found.is_ok() && active.counter("consumer_reconnects_total").await == 0 {
-            break;
+    let mut consumed = 0;
+    while consumed < 4 {
+        consumed = 0;
+        for i in 0..4 {
+            let q = format!("{}.{i}", fx.queue);
+            let ch = fx.amqp.create_channel().await.unwrap();
+            if let Ok(q) = (ch.queue_declare(q.as_str().into(), passive, Default::default())).await
+            {
+                consumed += usize::from(q.consumer_count() == 1);
+            }
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "the consumer never declared its partitions"
+            "the consumer never consumed its four partitions"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -218,8 +221,17 @@ async fn four_partitioned_workers_apply_each_aggregate_in_order_across_a_worker_
     let mut producer = pg_connect().await;
     for t in 0..120u32 {
         if t == 60 {
-            // Midway, the active consumer dies: the standby takes its
-            // queues over, the unacked messages first.
+            // Midway, once it applied some, the active consumer dies: the
+            // standby takes its queues over, the unacked messages first.
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while active.counter("consumer_applied_total").await == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the active consumer applied nothing; relay log:\n{}",
+                    relay.log_tail()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             active.child.kill().unwrap();
             active.child.wait().unwrap();
         }
@@ -296,9 +308,11 @@ async fn four_partitioned_workers_apply_each_aggregate_in_order_across_a_worker_
         queues.len() > 1,
         "every aggregate went to one queue: {queues:?}"
     );
+    let took_over = standby.counter("consumer_applied_total").await;
+    assert!(took_over > 0, "the standby applied nothing: no takeover");
     println!(
         "four partitions: {} events applied once each from {} queues, in commit order per aggregate; \
-         {} duplicates seen by the standby",
+         the standby applied {took_over} and saw {} duplicates",
         ids.len(),
         queues.len(),
         standby.counter("consumer_duplicates_total").await
@@ -306,6 +320,7 @@ async fn four_partitioned_workers_apply_each_aggregate_in_order_across_a_worker_
 
     relay.stop_ok();
     drop(standby);
+    let ch = fx.amqp.create_channel().await.unwrap();
     for i in 0..4 {
         let q = format!("{}.{i}", fx.queue);
         let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
