@@ -221,6 +221,18 @@ pub fn count_by_id(got: &[Received]) -> HashMap<String, usize> {
     m
 }
 
+/// Creates the logical slot `name` (pgoutput): an observer that tells
+/// the exact end of the transactions written after it (see
+/// [`first_commit_end`]). The caller drops it.
+pub async fn create_observer_slot(pg: &Client, name: &str) {
+    pg.query_one(
+        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&name],
+    )
+    .await
+    .unwrap();
+}
+
 /// End LSN of the first transaction the observer slot `slot` has decoded
 /// (peeked, not consumed). Retries for up to 5 s: with
 /// `synchronous_commit = off` decoding sees a commit only once the WAL

@@ -25,12 +25,7 @@ async fn memory_alarm_holds_the_slot_before_unconfirmed_events() {
 
     // An observer slot tells the exact end LSN of the transactions below.
     let observer = format!("obs_{}", fx.name);
-    pg.query_one(
-        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&observer],
-    )
-    .await
-    .unwrap();
+    create_observer_slot(&pg, &observer).await;
 
     rabbitmq_ctl(&["ctl", "set_vm_memory_high_watermark", "0"]);
     let result = std::panic::AssertUnwindSafe(async {
@@ -96,12 +91,7 @@ async fn sigterm_with_unconfirmed_messages_exits_within_grace_and_reports_nothin
     fx.set_config_extra("shutdown_grace_secs = 2", "");
     let (pg, relay) = fx.streaming().await;
     let observer = format!("obs_{}", fx.name);
-    pg.query_one(
-        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&observer],
-    )
-    .await
-    .unwrap();
+    create_observer_slot(&pg, &observer).await;
 
     let (ids, first_end, elapsed, status, out) = with_alarm(async {
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -130,12 +130,7 @@ async fn a_channel_held_by_nacks_holds_the_slot_while_the_others_deliver() {
     let _ = fills;
 
     let observer = format!("obs_{}", fx.name);
-    pg.query_one(
-        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&observer],
-    )
-    .await
-    .unwrap();
+    create_observer_slot(&pg, &observer).await;
     fx.insert(&pg, "full", "f", "e", &serde_json::json!({"nacked": true}))
         .await;
     let nacked_end = first_commit_end(&pg, &observer, &fx.publication).await;

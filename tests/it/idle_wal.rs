@@ -76,12 +76,7 @@ async fn idle_outbox_in_a_busy_database_retains_little_wal_and_heartbeat_moves_a
     let before = fx.confirmed_flush_lsn(&pg).await;
     // An observer slot shows the heartbeat messages themselves.
     let observer = fx.scoped("obs");
-    pg.query_one(
-        "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&observer],
-    )
-    .await
-    .unwrap();
+    create_observer_slot(&pg, &observer).await;
     let relay = fx.spawn_relay();
     let t0 = Instant::now();
     let mut moved = false;
