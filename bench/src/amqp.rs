@@ -53,6 +53,22 @@ pub async fn declare(
         FieldTable::default(),
     )
     .await?;
+    fresh_queue(&ch, queue, queue_type).await?;
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(())
+}
+
+/// A durable queue of `queue_type`, deleted first so that it starts empty
+/// and bound to nothing.
+async fn fresh_queue(ch: &Channel, queue: &str, queue_type: &str) -> Result<()> {
     ch.queue_delete(queue.into(), Default::default()).await?;
     let mut args = FieldTable::default();
     args.insert(
@@ -69,62 +85,124 @@ pub async fn declare(
     )
     .await
     .with_context(|| format!("declaring {queue_type} queue {queue}"))?;
-    ch.queue_bind(
-        queue.into(),
+    Ok(())
+}
+
+/// The consistent-hash exchange `exchange` (plugin
+/// `rabbitmq_consistent_hash_exchange`, hashing the `aggregate_id` header,
+/// as README "Consuming in parallel" sets it up) with `queues` durable
+/// queues of `queue_type` bound to it, each with weight 1. Exchange and
+/// queues are deleted first, so they start empty and bound to nothing else.
+pub async fn declare_partitions(
+    conn: &Connection,
+    exchange: &str,
+    queues: &[String],
+    queue_type: &str,
+) -> Result<()> {
+    let ch = conn.create_channel().await?;
+    ch.exchange_delete(exchange.into(), Default::default())
+        .await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        ShortString::from("hash-header"),
+        AMQPValue::LongString(LongString::from("aggregate_id")),
+    );
+    ch.exchange_declare(
         exchange.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
+        ExchangeKind::Custom("x-consistent-hash".into()),
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
     )
-    .await?;
+    .await
+    .context("declaring a consistent-hash exchange (is plugin rabbitmq_consistent_hash_exchange enabled?)")?;
+    for q in queues {
+        fresh_queue(&ch, q, queue_type).await?;
+        // The routing key of a consistent-hash binding is its weight.
+        ch.queue_bind(
+            q.as_str().into(),
+            exchange.into(),
+            "1".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    }
     let _ = ch.close(200, "ok".into()).await;
     Ok(())
 }
 
-/// Watches a queue's depth with passive declares (no consumer attached).
+/// Deletes `queues` and `exchange` (what a round of the channels sweep
+/// declared), so their messages free the broker's memory and disk.
+pub async fn delete(conn: &Connection, exchange: &str, queues: &[String]) -> Result<()> {
+    let ch = conn.create_channel().await?;
+    for q in queues {
+        ch.queue_delete(q.as_str().into(), Default::default())
+            .await?;
+    }
+    ch.exchange_delete(exchange.into(), Default::default())
+        .await?;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(())
+}
+
+/// Watches the depth of one or more queues with passive declares (no
+/// consumer attached); the depth is their sum.
 pub struct DepthProbe {
     conn: Connection,
     ch: Channel,
-    queue: String,
+    queues: Vec<String>,
 }
 
 impl DepthProbe {
     pub async fn new(url: &str, queue: &str) -> Result<DepthProbe> {
+        Self::over(url, vec![queue.to_owned()]).await
+    }
+
+    pub async fn over(url: &str, queues: Vec<String>) -> Result<DepthProbe> {
         let conn = connect(url, "relay-bench depth probe").await?;
         let ch = conn.create_channel().await?;
-        Ok(DepthProbe {
-            conn,
-            ch,
-            queue: queue.to_owned(),
-        })
+        Ok(DepthProbe { conn, ch, queues })
+    }
+
+    fn name(&self) -> String {
+        self.queues.join("+")
     }
 
     pub async fn depth(&mut self) -> Result<u64> {
-        let q = self
-            .ch
-            .queue_declare(
-                self.queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .with_context(|| format!("passive declare of {}", self.queue))?;
-        Ok(u64::from(q.message_count()))
+        let mut sum = 0;
+        for queue in &self.queues {
+            let q = self
+                .ch
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .with_context(|| format!("passive declare of {queue}"))?;
+            sum += u64::from(q.message_count());
+        }
+        Ok(sum)
     }
 
     pub async fn purge(&mut self) -> Result<()> {
-        self.ch
-            .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
-            .await?;
+        for queue in &self.queues {
+            self.ch
+                .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+                .await?;
+        }
         // A purge of a quorum queue is applied through its log: wait until
-        // the queue reads empty.
+        // the queues read empty.
         let end = Instant::now() + Duration::from_secs(30);
         while self.depth().await? != 0 {
             if Instant::now() > end {
-                bail!("queue {} not empty 30 s after a purge", self.queue);
+                bail!("queue {} not empty 30 s after a purge", self.name());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -154,7 +232,7 @@ impl DepthProbe {
             if now > end {
                 bail!(
                     "queue {} holds {d} of {n} messages after {timeout:?}",
-                    self.queue
+                    self.name()
                 );
             }
             alive()?;
@@ -297,7 +375,12 @@ pub async fn publish_wire(
             };
             pending.push(wire.publish(env)?, id);
         }
-        let room = i < n && pending.len() < window;
+        // Room for more, and the write buffer not full: take the answers
+        // that are there and publish on. Otherwise wait (for answers, or
+        // for the buffer to drain: a full socket must be waited on, never
+        // polled again at once, or the one-thread runtime never gets to
+        // learn that the socket took more).
+        let room = i < n && pending.len() < window && !wire.wants_flush();
         let ev = if room {
             match wire.event().now_or_never() {
                 Some(ev) => ev?,

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
 use crate::workload::{
-    ROUTING_KEY, aggregate_id, event_id, pad_len, payload, properties, unix_secs,
+    ROUTING_KEY, aggregate_id, event_id, pad_len, payload, properties, unix_secs, unix_us,
 };
 
 /// One publisher's run.
@@ -111,13 +111,145 @@ pub async fn rust_publisher(
     })
 }
 
+/// `procs` publisher processes at once (`relay-bench publish`, each with
+/// `args` and its own share of the `n` events), started together: the
+/// run's clock goes from the first process's first publish to the last
+/// one's last confirm, its CPU is every process's.
+pub async fn publishers_at_once(
+    url: &str,
+    exchange: &str,
+    window: usize,
+    n: u64,
+    procs: u64,
+    args: &[&str],
+    (name, description): (String, String),
+) -> Result<PublisherRun> {
+    let exe = std::env::current_exe()?;
+    // Time enough for every process to start and connect first.
+    let start_at = unix_us() + 1_500_000 + 100_000 * procs as i64;
+    let mut runs = Vec::new();
+    for k in 0..procs {
+        let (from, to) = (k * n / procs, (k + 1) * n / procs);
+        let mut cmd = tokio::process::Command::new(&exe);
+        cmd.arg("publish")
+            .args(["--exchange", exchange])
+            .args(["--window", &window.to_string()])
+            .args(["--events", &(to - from).to_string()])
+            .args(["--first", &from.to_string()])
+            .args(["--start-at-us", &start_at.to_string()])
+            .args(args)
+            .env("BENCH_PUBLISH_URL", url)
+            .kill_on_drop(true);
+        runs.push(async move {
+            run_publisher(cmd, &format!("relay-bench publish {args:?} ({k})")).await
+        });
+    }
+    let outs = futures_util::future::join_all(runs)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+    let started = outs.iter().filter_map(|o| o.started_us).min();
+    let ended = outs.iter().filter_map(|o| o.ended_us).max();
+    let (Some(started), Some(ended)) = (started, ended) else {
+        bail!("{name}: a publisher printed no start or end time");
+    };
+    let seconds = ((ended - started) as f64 / 1e6).max(1e-6);
+    let cpu: f64 = outs.iter().map(|o| o.cpu_seconds).sum();
+    Ok(PublisherRun {
+        name,
+        description,
+        events: n,
+        seconds,
+        events_per_s: n as f64 / seconds,
+        cpu_seconds_per_100k: cpu / n as f64 * 100_000.0,
+        nacked: outs.iter().map(|o| o.nacked).sum(),
+        returned: outs.iter().map(|o| o.returned).sum(),
+    })
+}
+
+/// `count` processes of the relay's own client at once: the plain-client
+/// ceiling of `count` channels, each on a connection of its own as the
+/// relay's channels are.
+pub async fn relay_clients(
+    url: &str,
+    exchange: &str,
+    window: usize,
+    n: u64,
+    count: u64,
+) -> Result<PublisherRun> {
+    publishers_at_once(
+        url,
+        exchange,
+        window,
+        n,
+        count,
+        &[RustPublisher::RelayClient.flag()],
+        (
+            format!("{RELAY_CLIENT} × {count}"),
+            format!(
+                "{count} processes of the relay's client started together, each on a connection of its own, each publishing its share of the events, at most `window` unconfirmed each"
+            ),
+        ),
+    )
+    .await
+}
+
+/// lapin pipelined, `channels` confirm channels in one process publishing
+/// concurrently: on one connection, or on a connection each.
+pub async fn lapin_channels(
+    url: &str,
+    exchange: &str,
+    window: usize,
+    n: u64,
+    channels: u64,
+    per_connection: bool,
+) -> Result<PublisherRun> {
+    let k = channels.to_string();
+    let mut args = vec![RustPublisher::LapinPipelined.flag(), "--channels", &k];
+    if per_connection {
+        args.push("--per-connection");
+    }
+    let (name, how) = if per_connection {
+        (
+            format!("lapin pipelined, {channels} connections of one channel"),
+            "a connection each",
+        )
+    } else {
+        (
+            format!("lapin pipelined, {channels} channels on one connection"),
+            "all on one connection",
+        )
+    };
+    publishers_at_once(
+        url,
+        exchange,
+        window,
+        n,
+        1,
+        &args,
+        (
+            name,
+            format!(
+                "one process, {channels} confirm channels publishing concurrently ({how}), at most `window` unconfirmed each"
+            ),
+        ),
+    )
+    .await
+}
+
 /// `relay-bench publish --exchange X --window W --events N
-/// (--await-each | --pipelined | --relay-client)`
-/// (URL in `BENCH_PUBLISH_URL`): publishes, prints one [`PublisherOut`]
-/// line. The clock and the CPU run from the first publish to the last
-/// confirm.
+/// (--await-each | --pipelined | --relay-client) [--first F]
+/// [--start-at-us T] [--channels K [--per-connection]]`
+/// (URL in `BENCH_PUBLISH_URL`): publishes events F+1..=F+N, prints one
+/// [`PublisherOut`] line. The clock and the CPU run from the first publish
+/// to the last confirm. `--start-at-us`: connect, then wait until that
+/// Unix time (µs) before the first publish, so that several processes
+/// publish at once. `--channels K` (lapin pipelined only): K confirm
+/// channels publishing concurrently, on one connection, or with
+/// `--per-connection` on a connection each.
 pub async fn publish_main(args: &[String]) -> Result<()> {
     let (mut exchange, mut window, mut n) = (String::new(), 1024, 0);
+    let (mut first, mut start_at, mut channels, mut per_connection) = (0u64, 0i64, 1u64, false);
     let mut which = None;
     let mut it = args.iter();
     while let Some(k) = it.next() {
@@ -126,6 +258,10 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
             "--exchange" => exchange = v()?.clone(),
             "--window" => window = v()?.parse()?,
             "--events" => n = v()?.parse()?,
+            "--first" => first = v()?.parse()?,
+            "--start-at-us" => start_at = v()?.parse()?,
+            "--channels" => channels = v()?.parse::<u64>()?.max(1),
+            "--per-connection" => per_connection = true,
             flag => {
                 which = Some(
                     [
@@ -142,21 +278,25 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
     }
     let which =
         which.context("publish: which publisher (--await-each, --pipelined, --relay-client)?")?;
+    if channels > 1 && !matches!(which, RustPublisher::LapinPipelined) {
+        bail!("publish: --channels needs --pipelined");
+    }
     let url = std::env::var("BENCH_PUBLISH_URL").context("BENCH_PUBLISH_URL is not set")?;
     let tag = 0xc0 + which as u32;
     let ts = unix_secs();
     // Bodies and properties are built inside the loop, as a real publisher
     // (and the relay) does.
-    let msg = |i: u64| {
-        let i = i + 1;
+    let msg = move |i: u64| {
+        let i = first + i + 1;
         (
             payload(i).into_bytes(),
             properties(&event_id(tag, i), &aggregate_id(i), ts),
         )
     };
-    let (tally, seconds, cpu_seconds) = match which {
+    let m = match which {
         RustPublisher::RelayClient => {
             let mut wire = crate::amqp::connect_wire(&url, "relay-bench ceiling").await?;
+            wait_until(start_at).await;
             let r = measured(crate::amqp::publish_wire(
                 &mut wire,
                 &exchange,
@@ -169,9 +309,50 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
             let _ = wire.close().await;
             r
         }
+        RustPublisher::LapinPipelined if channels > 1 => {
+            let conns = if per_connection { channels } else { 1 };
+            let mut conn = Vec::new();
+            for _ in 0..conns {
+                conn.push(crate::amqp::connect(&url, "relay-bench ceiling").await?);
+            }
+            let mut chans = Vec::new();
+            for k in 0..channels {
+                chans.push(crate::amqp::confirm_channel(&conn[(k % conns) as usize]).await?);
+            }
+            wait_until(start_at).await;
+            // Channel k publishes events k*n/K .. (k+1)*n/K.
+            let part = |k: u64| k * n / channels;
+            let r = measured(async {
+                let runs = chans.iter().enumerate().map(|(k, ch)| {
+                    let (from, to) = (part(k as u64), part(k as u64 + 1));
+                    crate::amqp::publish_pipelined(
+                        ch,
+                        &exchange,
+                        ROUTING_KEY,
+                        window,
+                        to - from,
+                        move |i| msg(from + i),
+                    )
+                });
+                let mut sum = crate::amqp::Tally::default();
+                for t in futures_util::future::join_all(runs).await {
+                    let t = t?;
+                    sum.acked += t.acked;
+                    sum.nacked += t.nacked;
+                    sum.returned += t.returned;
+                }
+                Ok(sum)
+            })
+            .await?;
+            for c in conn {
+                let _ = c.close(200, "bye".into()).await;
+            }
+            r
+        }
         lapin => {
             let conn = crate::amqp::connect(&url, "relay-bench ceiling").await?;
             let ch = crate::amqp::confirm_channel(&conn).await?;
+            wait_until(start_at).await;
             let r = if matches!(lapin, RustPublisher::LapinPipelined) {
                 measured(crate::amqp::publish_pipelined(
                     &ch,
@@ -199,25 +380,49 @@ pub async fn publish_main(args: &[String]) -> Result<()> {
     };
     let out = PublisherOut {
         events: n,
-        seconds,
-        cpu_seconds,
-        nacked: tally.nacked,
-        returned: tally.returned,
+        seconds: m.seconds,
+        cpu_seconds: m.cpu_seconds,
+        nacked: m.tally.nacked,
+        returned: m.tally.returned,
+        started_us: Some(m.started_us),
+        ended_us: Some(m.ended_us),
     };
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
 }
 
-/// Runs a publish loop; its tally, wall seconds and this process's CPU
-/// seconds over the same interval.
+/// A publish loop's tally, wall seconds, this process's CPU seconds over
+/// the same interval, and that interval in Unix µs.
+struct Measured {
+    tally: crate::amqp::Tally,
+    seconds: f64,
+    cpu_seconds: f64,
+    started_us: i64,
+    ended_us: i64,
+}
+
 async fn measured(
     publishing: impl Future<Output = Result<crate::amqp::Tally>>,
-) -> Result<(crate::amqp::Tally, f64, f64)> {
+) -> Result<Measured> {
     let cpu0 = crate::procs::cpu_seconds("self")?;
-    let t = Instant::now();
+    let (t, started_us) = (Instant::now(), unix_us());
     let tally = publishing.await?;
     let seconds = t.elapsed().as_secs_f64();
-    Ok((tally, seconds, crate::procs::cpu_seconds("self")? - cpu0))
+    Ok(Measured {
+        tally,
+        seconds,
+        cpu_seconds: crate::procs::cpu_seconds("self")? - cpu0,
+        started_us,
+        ended_us: unix_us(),
+    })
+}
+
+/// Sleeps until Unix time `at_us` (µs); returns at once if 0 or past.
+async fn wait_until(at_us: i64) {
+    let wait = at_us - unix_us();
+    if wait > 0 {
+        tokio::time::sleep(Duration::from_micros(wait as u64)).await;
+    }
 }
 
 /// What a publisher process prints (Rust and Node alike).
@@ -229,6 +434,11 @@ pub struct PublisherOut {
     cpu_seconds: f64,
     nacked: u64,
     returned: u64,
+    /// First publish and last confirm, Unix µs (the Rust publishers).
+    #[serde(default)]
+    started_us: Option<i64>,
+    #[serde(default)]
+    ended_us: Option<i64>,
 }
 
 /// Runs a publisher process, parses its line.

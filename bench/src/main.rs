@@ -18,6 +18,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod amqp;
+mod broker;
 mod ceiling;
 mod latency;
 mod pg;
@@ -60,6 +61,12 @@ pub struct Settings {
     /// Whether to drain a table-less outbox too (off to measure a relay
     /// binary from before table-less outboxes existed).
     pub table_less: bool,
+    /// `rabbitmq.channels` values of the channels sweep (empty: no sweep).
+    pub channels: Vec<u32>,
+    /// Events per run of the channels sweep.
+    pub channels_events: u64,
+    /// Only the channels sweep (no drains, ceilings, polling or latency).
+    pub channels_only: bool,
     /// Where the report goes.
     pub out_dir: String,
     /// The relay binary.
@@ -122,8 +129,24 @@ impl Settings {
                 bail!("unknown queue type {q:?} (classic or quorum)");
             }
         }
+        let channels = env_list("BENCH_CHANNELS", "1,2,4,8")
+            .iter()
+            .map(|c| match c.parse::<u32>() {
+                Ok(n @ 1..=16) => Ok(n),
+                _ => bail!("BENCH_CHANNELS: {c:?} is not a channel count from 1 to 16"),
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        let channels_events = env_u64("BENCH_CHANNELS_EVENTS", 100_000)?;
+        if channels_events == 0 || channels_events % tx_rows != 0 {
+            bail!(
+                "BENCH_CHANNELS_EVENTS ({channels_events}) must be a positive multiple of BENCH_TX_ROWS ({tx_rows})"
+            );
+        }
         Ok(Settings {
             events,
+            channels,
+            channels_events,
+            channels_only: env_u64("BENCH_CHANNELS_ONLY", 0)? != 0,
             tx_rows,
             passes: env_u64("BENCH_PASSES", 2)?.max(1),
             seconds: env_u64("BENCH_SECONDS", 30)?,

@@ -13,6 +13,7 @@ use crate::Settings;
 /// One relay configuration (table, slot, publication, exchange).
 pub struct RelayConfig {
     pub path: PathBuf,
+    pub slot: String,
     pub http_port: u16,
     pub bin: String,
     pub log_dir: PathBuf,
@@ -28,8 +29,23 @@ impl RelayConfig {
         publication: &str,
         exchange: &str,
     ) -> Result<RelayConfig> {
+        Self::write_channels(s, name, table, slot, publication, exchange, 1)
+    }
+
+    /// As [`RelayConfig::write`], publishing on `channels` channels
+    /// (`rabbitmq.channels`; left out when 1, so that a relay from before
+    /// the setting existed can be measured).
+    pub fn write_channels(
+        s: &Settings,
+        name: &str,
+        table: &str,
+        slot: &str,
+        publication: &str,
+        exchange: &str,
+        channels: u32,
+    ) -> Result<RelayConfig> {
         let outbox = format!("[outbox]\ntable = \"public.{table}\"\n");
-        Self::write_outbox(s, name, &outbox, slot, publication, exchange)
+        Self::write_outbox(s, name, &outbox, slot, publication, exchange, channels)
     }
 
     /// A table-less outbox: logical messages with `prefix`.
@@ -42,7 +58,7 @@ impl RelayConfig {
         exchange: &str,
     ) -> Result<RelayConfig> {
         let outbox = format!("[outbox]\nsource = \"message\"\nprefix = \"{prefix}\"\n");
-        Self::write_outbox(s, name, &outbox, slot, publication, exchange)
+        Self::write_outbox(s, name, &outbox, slot, publication, exchange, 1)
     }
 
     fn write_outbox(
@@ -52,6 +68,7 @@ impl RelayConfig {
         slot: &str,
         publication: &str,
         exchange: &str,
+        channels: u32,
     ) -> Result<RelayConfig> {
         let dir = Path::new(&s.out_dir).join("work");
         std::fs::create_dir_all(&dir)?;
@@ -70,17 +87,23 @@ url = "{amqp}"
 exchange = "{exchange}"
 routing_key = "{{aggregate_type}}.{{event_type}}"
 window = {window}
-
+{channels}
 [http]
 listen = "127.0.0.1:{http_port}"
 "#,
             pg = s.pg_url,
             amqp = s.amqp_url,
             window = s.window,
+            channels = if channels > 1 {
+                format!("channels = {channels}\n")
+            } else {
+                String::new()
+            },
         );
         std::fs::write(&path, text)?;
         Ok(RelayConfig {
             path,
+            slot: slot.to_owned(),
             http_port,
             bin: s.relay_bin.clone(),
             log_dir: dir,

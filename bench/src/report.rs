@@ -13,6 +13,7 @@ use crate::latency::LatencyRun;
 use crate::procs::command_output;
 use crate::run::QueueTypeResult;
 
+mod channels;
 mod chart;
 mod markdown;
 use chart::svg;
@@ -111,6 +112,7 @@ pub struct Report {
     pub machine: Machine,
     pub queue_types: Vec<QueueTypeResult>,
     pub latency: Vec<LatencyRun>,
+    pub channels: Option<crate::run::channels::Sweep>,
     pub claim_sql: String,
     pub mark_sql: String,
     pub claim_explain: String,
@@ -212,6 +214,9 @@ fn targets(r: &Report) -> Vec<Target> {
         }),
         met: worst_rss.map(|(_, d)| d.peak_rss_bytes < 64 * 1024 * 1024),
     });
+    if let Some(sweep) = &r.channels {
+        t.extend(channels::targets(sweep));
+    }
     t
 }
 
@@ -266,7 +271,9 @@ pub fn write(mut r: Report, out_dir: &str) -> Result<()> {
     std::fs::write(dir.join("report.json"), serde_json::to_vec_pretty(&r)?)?;
     std::fs::write(dir.join("report.md"), markdown(&r))?;
     std::fs::write(dir.join("chart.svg"), svg(&r))?;
-    println!("\n## Throughput\n\n{}", throughput_md(&r));
+    if !r.queue_types.is_empty() {
+        println!("\n## Throughput\n\n{}", throughput_md(&r));
+    }
     if !r.latency.is_empty() {
         println!(
             "## Latency ({} queue)\n\n{}",
@@ -274,7 +281,13 @@ pub fn write(mut r: Report, out_dir: &str) -> Result<()> {
             latency_md(&r)
         );
     }
-    println!("## Cost\n\n{}", cost_md(&r));
+    if !r.queue_types.is_empty() {
+        println!("## Cost\n\n{}", cost_md(&r));
+    }
+    if let Some(sweep) = &r.channels {
+        println!("## Several channels\n\n{}", channels::table_md(sweep));
+        println!("{}", channels::model_md(sweep, r.machine.nproc));
+    }
     println!("## Targets\n\n{}", targets_md(&r));
     for t in &r.targets {
         println!(

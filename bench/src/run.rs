@@ -14,6 +14,7 @@ use crate::polling::{DispatchArgs, Dispatcher, claim_sql};
 use crate::relay::RelayConfig;
 use crate::report::{Machine, Report};
 
+pub mod channels;
 mod drain;
 use drain::{drop_leftovers, messages_drain, prepare_relay, relay_drain};
 
@@ -58,6 +59,9 @@ pub struct Drain {
     pub events_per_s_after_first: f64,
     pub cpu_seconds: f64,
     pub cpu_seconds_per_100k: f64,
+    /// The relay's walsender (decoding the slot for it), per 100,000
+    /// events; none for the polling dispatcher.
+    pub walsender_cpu_seconds_per_100k: Option<f64>,
     pub peak_rss_bytes: u64,
     /// WAL written while committing the backlog.
     pub insert_wal_bytes: u64,
@@ -249,25 +253,7 @@ async fn queue_type_round(
                     }
                 },
             };
-            if run.nacked > 0 || run.returned > 0 {
-                bail!(
-                    "{}: {} nacked, {} returned",
-                    run.name,
-                    run.nacked,
-                    run.returned
-                );
-            }
-            probe
-                .wait_for(
-                    s.events,
-                    Duration::from_millis(50),
-                    Duration::from_secs(30),
-                    || Ok(()),
-                )
-                .await
-                .with_context(|| {
-                    format!("{}: confirmed messages missing from the queue", run.name)
-                })?;
+            check_all_there(&run, &mut probe, s.events).await?;
             eprintln!("    {:.0} events/s", run.events_per_s);
             r.publisher_passes.push(run);
         }
@@ -367,6 +353,7 @@ async fn queue_type_round(
         events_per_s_after_first: s.events as f64 / after_first,
         cpu_seconds: res.cpu_seconds,
         cpu_seconds_per_100k: res.cpu_seconds / s.events as f64 * 100_000.0,
+        walsender_cpu_seconds_per_100k: None,
         peak_rss_bytes: res.peak_rss_bytes,
         insert_wal_bytes: lsn_diff(p0, p1),
         insert_seconds: pinsert.as_secs_f64(),
@@ -384,6 +371,33 @@ async fn queue_type_round(
     // holds and the disk the tables take.
     drop_leftovers(pg, n).await?;
     Ok(r)
+}
+
+/// A bare publisher's run counts only if the broker took every message
+/// and the queues hold them all.
+async fn check_all_there(
+    run: &PublisherRun,
+    probe: &mut crate::amqp::DepthProbe,
+    events: u64,
+) -> Result<()> {
+    if run.nacked > 0 || run.returned > 0 {
+        bail!(
+            "{}: {} nacked, {} returned",
+            run.name,
+            run.nacked,
+            run.returned
+        );
+    }
+    probe
+        .wait_for(
+            events,
+            Duration::from_millis(50),
+            Duration::from_secs(30),
+            || Ok(()),
+        )
+        .await
+        .with_context(|| format!("{}: confirmed messages missing from the queues", run.name))?;
+    Ok(())
 }
 
 pub async fn run(s: Settings) -> Result<()> {
@@ -406,14 +420,15 @@ pub async fn run(s: Settings) -> Result<()> {
 
     let mut explain = None;
     let mut rounds = Vec::new();
-    for qt in &s.queue_types {
+    let others = !s.channels_only;
+    for qt in s.queue_types.iter().filter(|_| others) {
         let n = Names::new(qt, qt);
         rounds.push(queue_type_round(&s, &pg, &amqp, &n, &mut explain, &node).await?);
     }
 
     // 4. Latency under load.
     let mut latency: Vec<LatencyRun> = Vec::new();
-    if !s.rates.is_empty() && s.seconds > 0 {
+    if others && !s.rates.is_empty() && s.seconds > 0 {
         // Tables, queue and slot of their own: the slot starts at the
         // current WAL position, not behind the drains' WAL.
         let n = Names::new(&s.latency_queue_type, "latency");
@@ -430,6 +445,13 @@ pub async fn run(s: Settings) -> Result<()> {
         );
     }
 
+    // 5. Several channels.
+    let channels = if s.channels.is_empty() {
+        None
+    } else {
+        Some(channels::sweep(&s, &pg, &amqp).await?)
+    };
+
     machine.load_after = crate::report::loadavg();
     let report = Report {
         started_at,
@@ -438,6 +460,7 @@ pub async fn run(s: Settings) -> Result<()> {
         machine,
         queue_types: rounds,
         latency,
+        channels,
         claim_explain: explain.unwrap_or_default(),
         claim_sql: claim_sql("outbox_poll", s.poll_batch),
         mark_sql: crate::polling::mark_sql("outbox_poll"),

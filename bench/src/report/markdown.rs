@@ -414,6 +414,9 @@ pub(super) fn markdown(r: &Report) -> String {
             4, s.poll_interval_ms
         );
     }
+    if let Some(sweep) = &r.channels {
+        let _ = writeln!(m, "{}", super::channels::section_md(r, sweep));
+    }
     let _ = writeln!(
         m,
         "## Polling baseline: the claim\n\nThe dispatcher's loop (one dispatcher, so that messages keep commit order like the relay's single channel):\n\n```sql\n-- claim ($1 = dispatcher id)\n{}\n-- publish every row with confirms (lapin, pipelined, window {}), then\n{}\n```\n\n\

@@ -89,16 +89,17 @@ pub(super) async fn relay_drain(
         Ok((first, done)) => {
             let cpu = crate::procs::cpu_seconds(&pid)?;
             let rss = crate::procs::peak_rss_bytes(&pid)?;
+            let walsender = walsender_cpu(pg, &cfg.slot).await;
             let published =
                 cfg.metrics().await.ok().and_then(|t| {
                     metric_value(&t, "outbox_relay_events_total{outcome=\"published\"}")
                 });
-            Ok((first, done, cpu, rss, published))
+            Ok((first, done, cpu, rss, walsender, published))
         }
         Err(e) => Err(e),
     };
     let stopped = crate::procs::terminate(&mut child, Duration::from_secs(30)).await;
-    let (first, done, cpu, rss, published) =
+    let (first, done, cpu, rss, walsender, published) =
         measured.map_err(|e| e.context(format!("relay log:\n{}", cfg.log_tail("drain"))))?;
     stopped?;
     let lsn2 = crate::pg::wal_lsn(pg).await?;
@@ -115,6 +116,7 @@ pub(super) async fn relay_drain(
             events_per_s_after_first: s.events as f64 / after_first,
             cpu_seconds: cpu,
             cpu_seconds_per_100k: cpu / s.events as f64 * 100_000.0,
+            walsender_cpu_seconds_per_100k: walsender.map(|w| w / s.events as f64 * 100_000.0),
             peak_rss_bytes: rss,
             insert_wal_bytes: lsn_diff(lsn0, lsn1),
             insert_seconds: insert.as_secs_f64(),
@@ -123,6 +125,20 @@ pub(super) async fn relay_drain(
         },
         published,
     ))
+}
+
+/// CPU seconds of the walsender streaming `slot` so far (it started with
+/// the relay), or none when it cannot be read.
+async fn walsender_cpu(pg: &Client, slot: &str) -> Option<f64> {
+    let row = pg
+        .query_opt(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .ok()??;
+    let pid: Option<i32> = row.get(0);
+    crate::procs::cpu_seconds(&pid?.to_string()).ok()
 }
 
 /// The relay over the same events as logical messages: no table at all.

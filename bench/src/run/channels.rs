@@ -1,0 +1,247 @@
+//! Scenario 7, the channels sweep: the relay with `rabbitmq.channels` = N
+//! next to N plain publishers at once (the relay's own client, a process
+//! and a connection each), for every N of `BENCH_CHANNELS`, on each queue
+//! type, into one queue and into a queue per partition (a consistent-hash
+//! exchange on `aggregate_id` with N queues, as README "Consuming in
+//! parallel" sets it up). The broker's CPU is split by kind of Erlang
+//! process around every run, for the model of a broker with more cores.
+
+use anyhow::Result;
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use super::Drain;
+use super::check_all_there;
+use super::drain::relay_drain;
+use crate::Settings;
+use crate::broker::{self, BrokerCost};
+use crate::ceiling::PublisherRun;
+use crate::relay::RelayConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Layout {
+    /// One queue bound to a topic exchange with `#`.
+    OneQueue,
+    /// N queues behind a consistent-hash exchange, N = channels.
+    QueuePerPartition,
+}
+
+impl Layout {
+    pub const ALL: [Layout; 2] = [Layout::OneQueue, Layout::QueuePerPartition];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Layout::OneQueue => "one queue",
+            Layout::QueuePerPartition => "a queue per partition",
+        }
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            Layout::OneQueue => "one",
+            Layout::QueuePerPartition => "part",
+        }
+    }
+}
+
+/// One N on one queue type and layout.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cell {
+    pub queue_type: String,
+    pub layout: Layout,
+    pub channels: u32,
+    pub queues: u32,
+    pub relay: Drain,
+    /// The broker while the relay drained.
+    pub relay_broker: BrokerCost,
+    /// N processes of the relay's client at once.
+    pub ceiling: PublisherRun,
+    pub ceiling_broker: BrokerCost,
+}
+
+/// Everything the sweep measured.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Sweep {
+    pub events: u64,
+    pub cells: Vec<Cell>,
+    /// lapin with 4 channels on one connection and on 4 connections (one
+    /// queue, each queue type): how the relay's channels should connect.
+    pub connections: Vec<(String, PublisherRun)>,
+}
+
+impl Sweep {
+    pub fn cell(&self, queue_type: &str, layout: Layout, channels: u32) -> Option<&Cell> {
+        self.cells
+            .iter()
+            .find(|c| c.queue_type == queue_type && c.layout == layout && c.channels == channels)
+    }
+}
+
+const TABLE: &str = "bench_outbox_ch";
+const PUBLICATION: &str = "bench_pub_ch";
+const SLOT_PREFIX: &str = "bench_slot_ch_";
+
+/// Exchange and queues of one cell.
+fn topology(qt: &str, layout: Layout, channels: u32) -> (String, Vec<String>) {
+    match layout {
+        Layout::OneQueue => (
+            format!("bench_ex_ch_{qt}"),
+            vec![format!("bench_q_ch_{qt}")],
+        ),
+        Layout::QueuePerPartition => (
+            format!("bench_hx_ch_{qt}"),
+            (0..channels)
+                .map(|i| format!("bench_q_ch_{qt}_part_{i}"))
+                .collect(),
+        ),
+    }
+}
+
+/// Drops `slot` once its walsender (its relay just stopped) has gone.
+async fn drop_slot(pg: &Client, slot: &str) -> Result<()> {
+    for _ in 0..50 {
+        let dropped = pg
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND active_pid IS NULL",
+                &[&slot],
+            )
+            .await?;
+        if dropped == 1 {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("slot {slot} still active 5 s after its relay stopped")
+}
+
+async fn drop_leftovers(pg: &Client) -> Result<()> {
+    pg.execute(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE starts_with(slot_name, $1) AND active_pid IS NOT NULL",
+        &[&SLOT_PREFIX],
+    )
+    .await?;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    pg.execute(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE starts_with(slot_name, $1)",
+        &[&SLOT_PREFIX],
+    )
+    .await?;
+    pg.batch_execute(&format!(
+        "DROP PUBLICATION IF EXISTS {PUBLICATION}; DROP TABLE IF EXISTS {TABLE};"
+    ))
+    .await?;
+    Ok(())
+}
+
+/// The sweep. One backlog of `s.channels_events` events serves every
+/// cell: each relay drains it through a slot of its own, created before
+/// the inserts.
+pub async fn sweep(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Result<Sweep> {
+    let mut s = s.clone();
+    s.events = s.channels_events;
+    let s = &s;
+    eprintln!(
+        "== channels sweep: N = {:?}, {} events per run ==",
+        s.channels, s.events
+    );
+    drop_leftovers(pg).await?;
+    crate::pg::create_outbox(pg, &s.outbox_sql, TABLE).await?;
+    let mut plan = Vec::new();
+    for qt in &s.queue_types {
+        for layout in Layout::ALL {
+            for &n in &s.channels {
+                let slot = format!("{SLOT_PREFIX}{qt}_{}_{n}", layout.tag());
+                let (exchange, _) = topology(qt, layout, n);
+                let cfg = RelayConfig::write_channels(
+                    s,
+                    &format!("ch-{qt}-{}-{n}", layout.tag()),
+                    TABLE,
+                    &slot,
+                    PUBLICATION,
+                    &exchange,
+                    n,
+                )?;
+                cfg.setup()?;
+                plan.push((qt.clone(), layout, n, cfg));
+            }
+        }
+    }
+    eprintln!("  committing {} events ...", s.events);
+    let lsn0 = crate::pg::wal_lsn(pg).await?;
+    let insert = crate::pg::insert_backlog(pg, TABLE, 1, s.events, s.tx_rows).await?;
+    let lsn1 = crate::pg::wal_lsn(pg).await?;
+    pg.batch_execute("CHECKPOINT").await?;
+
+    let mut out = Sweep {
+        events: s.events,
+        ..Default::default()
+    };
+    let window = s.window as usize;
+    for (qt, layout, n, cfg) in &plan {
+        let (exchange, queues) = topology(qt, *layout, *n);
+        match layout {
+            Layout::OneQueue => crate::amqp::declare(amqp, &exchange, &queues[0], qt).await?,
+            Layout::QueuePerPartition => {
+                crate::amqp::declare_partitions(amqp, &exchange, &queues, qt).await?
+            }
+        }
+        let mut probe = crate::amqp::DepthProbe::over(&s.amqp_url, queues.clone()).await?;
+        eprintln!("  {qt}, {}, N = {n}: relay drain ...", layout.label());
+        let b0 = broker::snapshot()?;
+        let (relay, _) = relay_drain(s, pg, cfg, &mut probe, lsn0, lsn1, insert).await?;
+        let relay_broker = broker::cost(&b0, &broker::snapshot()?, s.events);
+        eprintln!(
+            "    relay: {:.0} events/s, {:.2} CPU s/100k; broker {:.2} CPU s/100k",
+            relay.events_per_s, relay.cpu_seconds_per_100k, relay_broker.cpu_seconds_per_100k
+        );
+        probe.purge().await?;
+        eprintln!(
+            "  {qt}, {}, N = {n}: {n} plain publishers ...",
+            layout.label()
+        );
+        let b0 = broker::snapshot()?;
+        let ceiling =
+            crate::ceiling::relay_clients(&s.amqp_url, &exchange, window, s.events, *n as u64)
+                .await?;
+        let ceiling_broker = broker::cost(&b0, &broker::snapshot()?, s.events);
+        check_all_there(&ceiling, &mut probe, s.events).await?;
+        eprintln!(
+            "    plain: {:.0} events/s; broker {:.2} CPU s/100k",
+            ceiling.events_per_s, ceiling_broker.cpu_seconds_per_100k
+        );
+        if *n == 4 && *layout == Layout::OneQueue {
+            for per_connection in [false, true] {
+                probe.purge().await?;
+                let run = crate::ceiling::lapin_channels(
+                    &s.amqp_url,
+                    &exchange,
+                    window,
+                    s.events,
+                    4,
+                    per_connection,
+                )
+                .await?;
+                check_all_there(&run, &mut probe, s.events).await?;
+                eprintln!("    {}: {:.0} events/s", run.name, run.events_per_s);
+                out.connections.push((qt.clone(), run));
+            }
+        }
+        probe.purge().await?;
+        probe.close().await;
+        crate::amqp::delete(amqp, &exchange, &queues).await?;
+        out.cells.push(Cell {
+            queue_type: qt.clone(),
+            layout: *layout,
+            channels: *n,
+            queues: queues.len() as u32,
+            relay,
+            relay_broker,
+            ceiling,
+            ceiling_broker,
+        });
+        // This cell's slot is done with: the WAL it held goes.
+        drop_slot(pg, &cfg.slot).await?;
+    }
+    drop_leftovers(pg).await?;
+    Ok(out)
+}
