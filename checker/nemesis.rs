@@ -811,11 +811,21 @@ pub async fn inflict(
             .await;
         }
         Fault::AddColumn => {
-            ddl(&format!(
+            let sql = format!(
                 "ALTER TABLE {} ADD COLUMN IF NOT EXISTS chk_extra text DEFAULT 'x'",
                 w.tables[0]
-            ))
-            .await?
+            );
+            match ddl(&sql).await {
+                Ok(()) => {}
+                // A workload transaction (a prepared one, a million rows)
+                // held the table past the lock timeout: the column is not
+                // added, as a migration with a lock_timeout backs off. The
+                // relay takes no lock on the table; the run goes on.
+                Err(e) if e.contains("55P03") => {
+                    eprintln!("checker: add-column not applied: {e}")
+                }
+                Err(e) => return Err(e),
+            }
         }
         Fault::Recreate => {
             // The rows a re-created table receives before `setup` adds it
