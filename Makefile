@@ -14,7 +14,7 @@ SERVERS := integration/servers.sh
 #   make test TEST_CMD='cargo test --test it -- chaos:: --nocapture'
 TEST_CMD ?=
 
-.PHONY: help build test demo bench deb lint clean soak check-seed
+.PHONY: help build test test-matrix demo bench deb lint clean soak check-seed
 
 help: ## List the targets (default)
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -29,6 +29,16 @@ ifeq ($(strip $(TEST_CMD)),)
 else
 	$(SERVERS) with $(TEST_CMD)
 endif
+
+# PostgreSQL majors of `make test-matrix` (15: Debian's; 16-18: npm,
+# integration/pgdist.sh).
+PG_MAJORS ?= 15 16 17 18
+
+test-matrix: ## The whole suite on each PostgreSQL major, one after another (PG_MAJORS)
+	set -e; for v in $(PG_MAJORS); do \
+		echo "test-matrix: PostgreSQL $$v"; \
+		OUTBOX_IT_PG_MAJOR=$$v OUTBOX_IT_COMPAT_MAJORS= integration/suite.sh; \
+	done
 
 demo: ## Relay a few outbox events end to end and print the messages
 	$(SERVERS) install

@@ -29,7 +29,7 @@ PGHA_SLOT=pgha_standby
 pgha_psql() {
     local h=$1 role=$2
     shift 2
-    as_postgres "$(pg_bin)/psql" -h "$h/$role/pgsock" -p "$(cat "$h/$role/port")" \
+    as_postgres "$(psql_bin)" -h "$h/$role/pgsock" -p "$(cat "$h/$role/port")" \
         -U postgres -d postgres -X -A -t -q -v ON_ERROR_STOP=1 "$@"
 }
 
@@ -53,6 +53,8 @@ pgha_in_recovery() { [[ $(pgha_psql "$1" "$2" -c 'SELECT pg_is_in_recovery()' 2>
 pgha_create() {
     local h=$1 name=$2 ports pport sport bin
     bin=$(pg_bin)
+    [[ -x $bin/pg_basebackup ]] ||
+        die "pgha needs pg_basebackup, which PostgreSQL ${OUTBOX_IT_PG_MAJOR:-?} from npm does not have"
     ports=$(pick_ports "$h" 2)
     read -r pport sport <<<"$ports"
     mkdir "$h/primary" "$h/standby"

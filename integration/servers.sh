@@ -65,12 +65,36 @@ die() {
 }
 
 # shellcheck disable=SC2012 # the paths are plain version numbers
-pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
+debian_pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
+
+# The server's binaries (initdb, pg_ctl, postgres): PostgreSQL
+# $OUTBOX_IT_PG_MAJOR, Debian's if it has that major, else from npm
+# (integration/pgdist.sh: 16, 17, 18); unset, Debian's newest.
+pg_bin() {
+    local m=${OUTBOX_IT_PG_MAJOR:-}
+    if [[ -z $m ]]; then
+        debian_pg_bin
+    elif [[ -d /usr/lib/postgresql/$m/bin ]]; then
+        echo "/usr/lib/postgresql/$m/bin"
+    else
+        pgdist_bin "$m"
+    fi
+}
+
+# psql is always Debian's (the npm servers come without one); it speaks
+# to newer servers for plain SQL.
+psql_bin() { echo "$(debian_pg_bin)/psql"; }
+
+have_debian_pg() {
+    local bin
+    bin=$(debian_pg_bin)
+    [[ -n $bin && -x $bin/initdb && -x $bin/pg_ctl && -x $bin/postgres && -x $bin/psql ]]
+}
 
 have_pg() {
     local bin
     bin=$(pg_bin)
-    [[ -n $bin && -x $bin/initdb && -x $bin/pg_ctl && -x $bin/postgres && -x $bin/psql ]]
+    have_debian_pg && [[ -x $bin/initdb && -x $bin/pg_ctl && -x $bin/postgres ]]
 }
 
 have_rabbitmq() {
@@ -84,7 +108,7 @@ as_postgres() { runuser -u postgres -- "$@"; }
 
 cmd_install() {
     local pkgs=()
-    have_pg || pkgs+=(postgresql)
+    have_debian_pg || pkgs+=(postgresql)
     have_rabbitmq || pkgs+=(rabbitmq-server)
     command -v python3 >/dev/null || pkgs+=(python3)
     # tests/it/deploy.rs reads the Kubernetes manifest with PyYAML.
@@ -95,7 +119,10 @@ cmd_install() {
     command -v systemd-analyze >/dev/null || pkgs+=(systemd)
     # promtool checks and unit-tests deploy/prometheus (tests/it/deploy.rs).
     command -v promtool >/dev/null || pkgs+=(prometheus)
-    ((${#pkgs[@]})) || return 0
+    ((${#pkgs[@]})) || {
+        install_pg_major
+        return 0
+    }
 
     log "installing ${pkgs[*]} ..."
     export DEBIAN_FRONTEND=noninteractive
@@ -127,7 +154,8 @@ cmd_install() {
         die "apt-get install ${pkgs[*]} failed"
     fi
     rm -f "$out"
-    have_pg || die "PostgreSQL binaries still missing after install"
+    have_debian_pg || die "PostgreSQL binaries still missing after install"
+    install_pg_major
     have_rabbitmq || die "RabbitMQ binaries still missing after install"
     command -v promtool >/dev/null || die "promtool still missing after installing prometheus"
     # Only promtool is wanted: the Prometheus server (port 9090) the package
@@ -137,6 +165,16 @@ cmd_install() {
             log "warning: could not disable prometheus.service"
     fi
 }
+
+# OUTBOX_IT_PG_MAJOR's server, if Debian does not have it.
+install_pg_major() {
+    local m=${OUTBOX_IT_PG_MAJOR:-}
+    [[ -z $m || -d /usr/lib/postgresql/$m/bin ]] || pgdist_fetch "$m"
+}
+
+# pgdist_bin, pgdist_fetch
+# shellcheck source=integration/pgdist.sh
+source "${SELF%/*}/pgdist.sh"
 
 # ---------------------------------------------------------------- ports
 
@@ -474,6 +512,9 @@ cmd_up() {
     ports=$(pick_ports "$dir" "$nports")
     read -r pg_port amqp_port dist_port epmd_port amqps_port <<<"$ports"
 
+    have_pg || die "PostgreSQL ${OUTBOX_IT_PG_MAJOR:-} is not installed: run servers.sh install"
+    local pg_major
+    pg_major=$("$(pg_bin)/postgres" --version | sed -E 's/^[^0-9]*([0-9]+).*/\1/')
     pg_init "$dir" "$pg_port"
     pg_start "$dir"
     rabbitmq_init "$dir" "$amqp_port" "$dist_port" "$epmd_port"
@@ -489,6 +530,10 @@ cmd_up() {
         emit OUTBOX_IT_DIR "$dir"
         emit TEST_PG_CTL "$SELF pg"
         emit TEST_RABBITMQ_CTL "$SELF rabbitmq"
+        # The servers' major version, and where the ctl subcommands find
+        # its binaries.
+        emit TEST_PG_MAJOR "$pg_major"
+        emit OUTBOX_IT_PG_MAJOR "${OUTBOX_IT_PG_MAJOR:-}"
         if [[ -n $tls_dir ]]; then
             emit TEST_AMQPS_URL "amqps://guest:guest@127.0.0.1:$amqps_port/%2f"
         fi
@@ -559,7 +604,7 @@ cmd_with() {
     trap 'with_signal 129' HUP
     local started=$SECONDS
     cmd_up "$WITH_DIR"
-    log "servers up in $((SECONDS - started))s ($WITH_DIR)"
+    log "servers up in $((SECONDS - started))s ($WITH_DIR, PostgreSQL $(sed -n 's/^export TEST_PG_MAJOR=//p' "$WITH_DIR/env"))"
     # shellcheck disable=SC1091
     source "$WITH_DIR/env"
 

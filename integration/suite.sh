@@ -22,6 +22,23 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 LANE_A=(large_tx broker_alarm tls takeover package observability kill9 commands poison)
 
+# The compatibility subset, run again on every other PostgreSQL major
+# (15 is Debian's, 16-18 come from npm: integration/pgdist.sh) after lane
+# A, each on servers of its own. The whole suite runs on
+# OUTBOX_IT_PG_MAJOR (unset: Debian's newest). OUTBOX_IT_COMPAT_MAJORS
+# names the others (`make test-matrix` sets it empty: it runs the whole
+# suite on each).
+COMPAT=(relay_e2e kill9 recover unusual_tables outboxes tls)
+main_major=${OUTBOX_IT_PG_MAJOR:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 | sed -E 's|.*/([0-9]+)/bin|\1|')}
+if [[ -v OUTBOX_IT_COMPAT_MAJORS ]]; then
+    read -r -a compat_majors <<<"$OUTBOX_IT_COMPAT_MAJORS"
+else
+    compat_majors=()
+    for v in 15 16 17 18; do
+        [[ $v == "$main_major" ]] || compat_majors+=("$v")
+    done
+fi
+
 log() { echo "suite.sh: $*" >&2; }
 
 # A module of lane A that no longer exists is a stale list, not a pass.
@@ -48,10 +65,33 @@ run_modules() {
 }
 export -f run_modules
 
+# Lane A: its modules, then the compatibility subset ($COMPAT) on each of
+# $COMPAT_MAJORS, each with servers of its own. A TERM stops the servers.sh
+# running (which tears its servers down) before the lane exits.
+lane_a() {
+    local rc=0 v child=""
+    trap 'kill -TERM $child 2>/dev/null; wait; exit 143' INT TERM
+    integration/servers.sh with bash -c 'run_modules "$@"' lane-a "$@" &
+    child=$!
+    wait "$child" || rc=1
+    for v in $COMPAT_MAJORS; do
+        echo "suite.sh: PostgreSQL $v: $COMPAT"
+        # shellcheck disable=SC2086 # a list of module names
+        OUTBOX_IT_PG_MAJOR=$v integration/servers.sh with bash -c 'run_modules "$@"' "compat-$v" $COMPAT &
+        child=$!
+        wait "$child" || rc=1
+    done
+    return $rc
+}
+export -f lane_a
+
 # Build everything first, in the foreground, so that compile errors show
 # at once and the lanes only run. The example consumer also as a program
 # (tests/it/crash_windows.rs runs it), so that no test builds it mid-run.
 integration/servers.sh install
+for v in "${compat_majors[@]}"; do
+    OUTBOX_IT_PG_MAJOR=$v integration/servers.sh install
+done
 cargo test --all-targets --no-run
 cargo build --example consumer
 # Where cargo put it: CARGO_TARGET_DIR or build.target-dir when set (as
@@ -82,13 +122,14 @@ pid_a="" pid_b=""
 # Ctrl-C or a TERM stops both lanes (each tears its servers down), and
 # waits for them to have done so.
 trap 'kill -TERM $pid_a $pid_b 2>/dev/null || true; wait || true; exit 143' INT TERM
-integration/servers.sh with bash -c 'run_modules "$@"' lane-a "${LANE_A[@]}" \
+COMPAT_MAJORS="${compat_majors[*]}" COMPAT="${COMPAT[*]}" \
+    bash -c 'lane_a "$@"' lane-a "${LANE_A[@]}" \
     >target/suite/lane-a.log 2>&1 </dev/null &
 pid_a=$!
 integration/servers.sh with bash -c "$lane_b_cmd" lane-b "${lane_b[@]}" \
     >target/suite/lane-b.log 2>&1 </dev/null &
 pid_b=$!
-log "lane A: ${LANE_A[*]}"
+log "lane A: ${LANE_A[*]}; then on PostgreSQL ${compat_majors[*]:-(none)}: ${COMPAT[*]}"
 log "lane B: unit tests, examples, ${lane_b[*]}"
 rc_a=0 rc_b=0
 wait "$pid_a" || rc_a=$?
