@@ -13,9 +13,11 @@
 #             TEST_PGHA_CTL   "<servers.sh> pgha NAME"
 #   primary/  a server set up as the shared one (pg_init: wal_level=logical,
 #             the same pg_hba.conf...), its port in primary/port
-#   standby/  pg_basebackup -R of the primary: a hot standby streaming over
-#             TCP through the physical slot pgha_standby (so the primary
-#             keeps the WAL a stopped standby has yet to receive)
+#   standby/  a base backup of the primary (pg_backup_start, a copy,
+#             pg_backup_stop): a hot standby streaming over TCP through the
+#             physical slot pgha_standby (so the primary keeps the WAL a
+#             stopped standby has yet to receive); on PostgreSQL 17+ it
+#             synchronizes failover slots (sync_replication_slots)
 # The standby is a physical copy: what the primary has (tables, the
 # publication, roles) it has too once replayed (`catchup` waits for that:
 # replication is asynchronous), except replication slots, which a test must
@@ -51,15 +53,13 @@ pgha_wait_streaming() {
 pgha_in_recovery() { [[ $(pgha_psql "$1" "$2" -c 'SELECT pg_is_in_recovery()' 2>/dev/null) == t ]]; }
 
 pgha_create() {
-    local h=$1 name=$2 ports pport sport bin
-    bin=$(pg_bin)
-    [[ -x $bin/pg_basebackup ]] ||
-        die "pgha needs pg_basebackup, which PostgreSQL ${OUTBOX_IT_PG_MAJOR:-?} from npm does not have"
+    local h=$1 name=$2 ports pport sport major
     ports=$(pick_ports "$h" 2)
     read -r pport sport <<<"$ports"
     mkdir "$h/primary" "$h/standby"
     echo "$pport" >"$h/primary/port"
     echo "$sport" >"$h/standby/port"
+    major=$("$(pg_bin)/postgres" --version | sed -E 's/^[^0-9]*([0-9]+).*/\1/')
 
     pg_init "$h/primary" "$pport"
     pg_start "$h/primary" 9>&-
@@ -68,14 +68,43 @@ pgha_create() {
     install -d -o postgres -g postgres -m 700 "$s/pg"
     install -d -o postgres -g postgres -m 755 "$s/pgsock"
     install -o postgres -g postgres -m 644 /dev/null "$s/pg.log"
-    # Over TCP with a password, as a standby of a real primary; -R writes
-    # standby.signal and primary_conninfo, -C -S the slot it streams from.
-    if ! as_postgres "$bin/pg_basebackup" -D "$s/pg" -R -C -S "$PGHA_SLOT" \
-        -X stream -c fast --no-sync \
-        -d "host=127.0.0.1 port=$pport user=postgres password=postgres" \
-        >"$s/basebackup.log" 2>&1; then
+    # A base backup with the low-level API (the npm servers have no
+    # pg_basebackup, and Debian's refuses newer servers): the slot first,
+    # so the primary keeps the WAL from the backup's start on; then, in
+    # one session, pg_backup_start, a file copy, pg_backup_stop, whose
+    # label file goes into the copy as backup_label.
+    pgha_psql "$h" primary -c "SELECT pg_create_physical_replication_slot('$PGHA_SLOT', true)" >/dev/null
+    if ! pgha_psql "$h" primary >"$s/basebackup.log" 2>&1 <<EOF; then
+SELECT pg_backup_start('pgha', true) \g /dev/null
+\! cp -a "$h/primary/pg/." "$s/pg/" 2>/dev/null
+SELECT labelfile FROM pg_backup_stop(false) \g $s/pg/label.out
+EOF
         cat "$s/basebackup.log" >&2
-        die "pg_basebackup failed"
+        die "the base backup of the primary failed"
+    fi
+    # psql ends the value with a newline of its own.
+    head -c -1 "$s/pg/label.out" >"$s/pg/backup_label"
+    chown postgres:postgres "$s/pg/backup_label"
+    rm -rf "$s/pg/label.out" "$s/pg"/{postmaster.pid,postmaster.opts} \
+        "$s/pg/pg_replslot/"* "$s/pg/pg_wal/"* "$s/pg/pg_stat_tmp/"*
+    install -o postgres -g postgres -m 600 /dev/null "$s/pg/standby.signal"
+    # Over TCP with a password, as a standby of a real primary.
+    cat >>"$s/pg/postgresql.conf" <<EOF
+
+# ---- pgha standby (integration/pgha.sh) ----
+primary_conninfo = 'host=127.0.0.1 port=$pport user=postgres password=postgres dbname=postgres application_name=$PGHA_SLOT'
+primary_slot_name = '$PGHA_SLOT'
+EOF
+    if ((major >= 17)); then
+        # Failover slots: the standby keeps a copy of every logical slot
+        # made with failover = true (`pgha NAME synced SLOT` waits for it).
+        # The primary names no standby slot in synchronized_standby_slots
+        # unless a test sets it: a stopped standby would hold its relay.
+        cat >>"$s/pg/postgresql.conf" <<EOF
+sync_replication_slots = on
+hot_standby_feedback = on
+synchronized_standby_slots = ''
+EOF
     fi
     # The copied postgresql.conf is the primary's: appended last, these win.
     cat >>"$s/pg/postgresql.conf" <<EOF
@@ -172,11 +201,12 @@ cmd_pgha() {
         name=${1:-} sub=${2:-}
         shift 2 || true
     fi
-    local usage="usage: servers.sh pgha up NAME | pgha NAME stop|start|kill primary|standby | pgha NAME catchup|promote|status|down"
+    local usage="usage: servers.sh pgha up NAME | pgha NAME stop|start|kill primary|standby | pgha NAME synced SLOT | pgha NAME catchup|promote|status|down"
     [[ $name =~ ^[A-Za-z0-9_.-]+$ && $name != up ]] || die "$usage"
     local h=$dir/pgha-$name role=${1:-}
     case $sub in
         stop | start | kill) [[ $role == primary || $role == standby ]] || die "$usage" ;;
+        synced) [[ $role =~ ^[A-Za-z0-9_]+$ ]] || die "$usage" ;;
         up | catchup | promote | status | down) ;;
         *) die "$usage" ;;
     esac
@@ -212,6 +242,19 @@ cmd_pgha() {
                     die "pgha $name: pg_ctl promote failed (see $h/standby/pg.log)"
             fi
             pgha_wait_for "$h" standby 'SELECT NOT pg_is_in_recovery()' "accepting writes"
+            ;;
+        synced)
+            # PostgreSQL 17+: until the standby's copy of logical slot
+            # $role is ready to take over (synchronized, persistent, valid).
+            # A standby snapshot on the primary now and then moves it on.
+            local slot=$role deadline=$((SECONDS + START_TIMEOUT))
+            until [[ $(pgha_psql "$h" standby -c "SELECT EXISTS (SELECT FROM pg_replication_slots
+                    WHERE slot_name = '$slot' AND synced AND NOT temporary
+                    AND invalidation_reason IS NULL)" 2>/dev/null) == t ]]; do
+                ((SECONDS < deadline)) || die "pgha $name: slot $slot not synchronized to the standby after ${START_TIMEOUT}s"
+                pgha_psql "$h" primary -c 'SELECT pg_log_standby_snapshot()' >/dev/null 2>&1 || true
+                sleep 0.5
+            done
             ;;
         status) pgha_status "$h" ;;
     esac

@@ -28,7 +28,7 @@ LANE_A=(large_tx broker_alarm tls takeover package observability kill9 commands 
 # OUTBOX_IT_PG_MAJOR (unset: Debian's newest). OUTBOX_IT_COMPAT_MAJORS
 # names the others (`make test-matrix` sets it empty: it runs the whole
 # suite on each).
-COMPAT=(relay_e2e kill9 recover unusual_tables outboxes tls)
+COMPAT=(relay_e2e kill9 recover unusual_tables outboxes tls failover_slots)
 main_major=${OUTBOX_IT_PG_MAJOR:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 | sed -E 's|.*/([0-9]+)/bin|\1|')}
 if [[ -v OUTBOX_IT_COMPAT_MAJORS ]]; then
     read -r -a compat_majors <<<"$OUTBOX_IT_COMPAT_MAJORS"

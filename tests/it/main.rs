@@ -18,6 +18,7 @@ mod commands;
 mod config_schema;
 mod crash_windows;
 mod deploy;
+mod failover_slots;
 mod ha;
 mod idle_wal;
 mod kill9;
