@@ -46,6 +46,9 @@ pub struct BrokerCost {
     /// Kinds by CPU, most first; work of processes that ended within the
     /// interval is not in any kind.
     pub kinds: Vec<KindCost>,
+    /// The share of the interval's reductions done by no process alive at
+    /// its end (ended, or short-lived): charged to no kind.
+    pub unattributed_share: f64,
 }
 
 impl BrokerCost {
@@ -115,12 +118,14 @@ pub fn cost(before: &Snapshot, after: &Snapshot, messages: u64) -> BrokerCost {
         0.0
     };
     let mut kinds: HashMap<&str, KindCost> = HashMap::new();
+    let mut charged = 0u64;
     for (pid, (kind, r1)) in &after.processes {
         let r0 = before.processes.get(pid).map_or(0, |(_, r)| *r);
         let worked = r1.saturating_sub(r0);
         if worked == 0 {
             continue;
         }
+        charged += worked;
         let c = worked as f64 * cpu_per_reduction * per_100k;
         let k = kinds.entry(kind).or_insert_with(|| KindCost {
             kind: kind.clone(),
@@ -135,6 +140,11 @@ pub fn cost(before: &Snapshot, after: &Snapshot, messages: u64) -> BrokerCost {
     BrokerCost {
         cpu_seconds_per_100k: cpu * per_100k,
         kinds,
+        unattributed_share: if reductions > 0 {
+            1.0 - (charged as f64 / reductions as f64).min(1.0)
+        } else {
+            0.0
+        },
     }
 }
 
@@ -208,5 +218,6 @@ mod tests {
             c.busiest().map(|k| k.kind.as_str()),
             Some("rabbit_prequeue")
         );
+        assert!((c.unattributed_share - 0.1).abs() < 1e-9);
     }
 }

@@ -113,6 +113,8 @@ pub struct Report {
     pub queue_types: Vec<QueueTypeResult>,
     pub latency: Vec<LatencyRun>,
     pub channels: Option<crate::run::channels::Sweep>,
+    /// Why the channels sweep has no figures, if it failed.
+    pub channels_error: Option<String>,
     pub claim_sql: String,
     pub mark_sql: String,
     pub claim_explain: String,

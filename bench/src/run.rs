@@ -185,7 +185,8 @@ async fn queue_type_round(
     let window = s.window as usize;
     for (pass, cfg) in cfgs.iter().enumerate() {
         eprintln!("  pass {} of {}: relay drain ...", pass + 1, cfgs.len());
-        let d = relay_drain(s, pg, cfg, &mut probe, lsn0, lsn1, insert).await?;
+        let backlog = drain::Backlog { lsn0, lsn1, insert };
+        let d = relay_drain(s, pg, cfg, &mut probe, &backlog, &mut || {}).await?;
         eprintln!(
             "    relay: {:.0} events/s, {:.2} CPU s/100k, peak RSS {:.1} MB",
             d.0.events_per_s,
@@ -446,10 +447,18 @@ pub async fn run(s: Settings) -> Result<()> {
     }
 
     // 5. Several channels.
-    let channels = if s.channels.is_empty() {
-        None
+    // Last, so that its failure (a broker without the consistent-hash
+    // plugin, rabbitmqctl refusing) costs the report nothing else.
+    let (channels, channels_error) = if s.channels.is_empty() {
+        (None, None)
     } else {
-        Some(channels::sweep(&s, &pg, &amqp).await?)
+        match channels::sweep(&s, &pg, &amqp).await {
+            Ok(sweep) => (Some(sweep), None),
+            Err(e) => {
+                eprintln!("relay-bench: the channels sweep failed: {e:#}");
+                (None, Some(format!("{e:#}")))
+            }
+        }
     };
 
     machine.load_after = crate::report::loadavg();
@@ -461,6 +470,7 @@ pub async fn run(s: Settings) -> Result<()> {
         queue_types: rounds,
         latency,
         channels,
+        channels_error,
         claim_explain: explain.unwrap_or_default(),
         claim_sql: claim_sql("outbox_poll", s.poll_batch),
         mark_sql: crate::polling::mark_sql("outbox_poll"),

@@ -417,6 +417,12 @@ pub(super) fn markdown(r: &Report) -> String {
     if let Some(sweep) = &r.channels {
         let _ = writeln!(m, "{}", super::channels::section_md(r, sweep));
     }
+    if let Some(e) = &r.channels_error {
+        let _ = writeln!(
+            m,
+            "## Several channels\n\nNot measured: the sweep failed: {e}\n"
+        );
+    }
     let _ = writeln!(
         m,
         "## Polling baseline: the claim\n\nThe dispatcher's loop (one dispatcher, so that messages keep commit order like the relay's single channel):\n\n```sql\n-- claim ($1 = dispatcher id)\n{}\n-- publish every row with confirms (lapin, pipelined, window {}), then\n{}\n```\n\n\

@@ -59,15 +59,27 @@ pub(super) async fn prepare_relay(
 /// One relay drain: start `outbox-relay run`, wait until the queue holds
 /// every event, read CPU and RSS, stop it. Also returns the relay's own
 /// count of published events.
+/// The committed backlog a drain reads: WAL positions around the inserts
+/// and how long they took.
+#[derive(Clone, Copy)]
+pub(super) struct Backlog {
+    pub lsn0: u64,
+    pub lsn1: u64,
+    pub insert: Duration,
+}
+
+/// `at_done` runs the moment the queue holds every event, while the relay
+/// still runs (the channels sweep reads the broker's processes then, with
+/// the relay's connections still open).
 pub(super) async fn relay_drain(
     s: &Settings,
     pg: &Client,
     cfg: &RelayConfig,
     probe: &mut crate::amqp::DepthProbe,
-    lsn0: u64,
-    lsn1: u64,
-    insert: Duration,
+    backlog: &Backlog,
+    at_done: &mut dyn FnMut(),
 ) -> Result<(Drain, Option<f64>)> {
+    let Backlog { lsn0, lsn1, insert } = *backlog;
     probe.purge().await?;
     pg.batch_execute("CHECKPOINT").await?;
     let lsn_start = crate::pg::wal_lsn(pg).await?;
@@ -87,6 +99,7 @@ pub(super) async fn relay_drain(
         .await;
     let measured = match waited {
         Ok((first, done)) => {
+            at_done();
             let cpu = crate::procs::cpu_seconds(&pid)?;
             let rss = crate::procs::peak_rss_bytes(&pid)?;
             let walsender = walsender_cpu(pg, &cfg.slot).await;
@@ -170,7 +183,8 @@ pub(super) async fn messages_drain(
     let lsn1 = crate::pg::wal_lsn(pg).await?;
     pg.batch_execute("CHECKPOINT").await?;
     eprintln!("  table-less: relay drain ...");
-    let (d, _) = relay_drain(s, pg, &cfg, probe, lsn0, lsn1, insert).await?;
+    let backlog = Backlog { lsn0, lsn1, insert };
+    let (d, _) = relay_drain(s, pg, &cfg, probe, &backlog, &mut || {}).await?;
     eprintln!(
         "    relay (table-less): {:.0} events/s, {:.2} CPU s/100k, {:.0} WAL bytes/event",
         d.events_per_s, d.cpu_seconds_per_100k, d.wal_bytes_per_event
