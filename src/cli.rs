@@ -205,6 +205,10 @@ pub struct Status {
     pub retained_wal_bytes: Option<i64>,
     /// `wal_status`.
     pub wal_status: Option<String>,
+    /// `invalidation_reason` (17+), if the server invalidated the slot.
+    pub invalidation_reason: Option<String>,
+    /// `inactive_since` (17+): since when no walsender has used it.
+    pub inactive_since: Option<String>,
     /// PID of the walsender streaming from it.
     pub active_pid: Option<i32>,
     /// Whether a walsender is streaming from it.
@@ -250,6 +254,8 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
             .map(|l| l.to_string()),
         retained_wal_bytes: retained,
         wal_status: info.as_ref().and_then(|i| i.wal_status.clone()),
+        invalidation_reason: info.as_ref().and_then(|i| i.invalidation_reason.clone()),
+        inactive_since: info.as_ref().and_then(|i| i.inactive_since.clone()),
         active_pid: info.as_ref().and_then(|i| i.active_pid),
         active: info.as_ref().is_some_and(|i| i.active_pid.is_some()),
         safe_wal_size,
@@ -273,6 +279,12 @@ pub async fn status(cfg: &Config, json: bool) -> Result<(), SourceError> {
                 .map_or("-".into(), |b| format!("{b} bytes"))
         );
         println!("wal_status           {}", opt(&s.wal_status));
+        if let Some(r) = &s.invalidation_reason {
+            println!("invalidated          {r} (run `outbox-relay recover`)");
+        }
+        if let Some(t) = &s.inactive_since {
+            println!("inactive since       {t}");
+        }
         println!(
             "active               {}",
             s.active_pid

@@ -395,6 +395,21 @@ pub(super) async fn replication_slot(
         ),
         (false, false) => Line::warn(format!("{what} across a failover"), note),
     });
+    // 18: a slot no walsender uses for this long is invalidated at the
+    // next checkpoint, so a relay stopped (or failing) that long loses it.
+    if version >= 180_000 {
+        let secs: Option<i64> = client
+            .query_one(
+                "SELECT extract(epoch FROM current_setting('idle_replication_slot_timeout', true)::interval)::bigint",
+                &[],
+            )
+            .await
+            .ok()
+            .and_then(|r| r.get(0));
+        if let Some(secs) = secs.filter(|s| *s > 0) {
+            lines.push(idle_timeout_line(&what, secs));
+        }
+    }
     if wal_status == "unreserved" {
         lines.push(Line::warn(
             what,
@@ -403,6 +418,25 @@ pub(super) async fn replication_slot(
         ));
     }
     Ok(lines)
+}
+
+/// `check`'s word on PostgreSQL 18's `idle_replication_slot_timeout` of
+/// `secs` (> 0): the relay may be down for maintenance or an outage for
+/// hours; under a day is a warning, a day or more is said all the same.
+fn idle_timeout_line(what: &str, secs: i64) -> Line {
+    let text = format!(
+        "idle_replication_slot_timeout = {secs} s: if no relay streams from the slot for longer \
+         (stopped, crashing, cut off), PostgreSQL invalidates it at the next checkpoint and the \
+         events in between are re-published by `recover` (table-less ones are lost)"
+    );
+    if secs < 86_400 {
+        Line::warn(
+            format!("{what} idle timeout"),
+            format!("{text}; set it longer than the longest the relay may be down, or to 0"),
+        )
+    } else {
+        Line::ok(format!("{what} idle timeout"), text)
+    }
 }
 
 // ------------------------------------------------------------- RabbitMQ

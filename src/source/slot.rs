@@ -28,6 +28,11 @@ pub struct SlotInfo {
     /// A slot created for two-phase decoding (it would stream prepared
     /// transactions before their COMMIT PREPARED).
     pub two_phase: bool,
+    /// Why the server invalidated it (17+: `wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`; 18: also `idle_timeout`).
+    pub invalidation_reason: Option<String>,
+    /// Since when no walsender has used it (17+).
+    pub inactive_since: Option<String>,
 }
 
 fn parse_lsn(s: Option<String>) -> Option<Lsn> {
@@ -38,9 +43,12 @@ fn parse_lsn(s: Option<String>) -> Option<Lsn> {
 pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>, SourceError> {
     let row = client
         .query_opt(
+            // invalidation_reason and inactive_since are 17's: read
+            // through to_jsonb, NULL on a server without them.
             "SELECT plugin::text, confirmed_flush_lsn::text, restart_lsn::text, wal_status, \
              active_pid, database::text, database IS NOT DISTINCT FROM current_database(), \
-             two_phase FROM pg_replication_slots WHERE slot_name = $1",
+             two_phase, to_jsonb(s) ->> 'invalidation_reason', to_jsonb(s) ->> 'inactive_since' \
+             FROM pg_replication_slots s WHERE slot_name = $1",
             &[&cfg.postgres.slot],
         )
         .await
@@ -54,6 +62,8 @@ pub async fn slot_info(client: &Client, cfg: &Config) -> Result<Option<SlotInfo>
         database: r.get(5),
         in_this_database: r.get(6),
         two_phase: r.get(7),
+        invalidation_reason: r.get(8),
+        inactive_since: r.get(9),
     }))
 }
 
@@ -70,8 +80,9 @@ pub enum SlotProblem {
     OtherDatabase(String),
     /// Made for two-phase decoding.
     TwoPhase,
-    /// Invalidated (`wal_status = lost`).
-    Lost,
+    /// Invalidated (`wal_status = lost`, or an `invalidation_reason`: the
+    /// server's, if it says).
+    Lost(Option<String>),
     /// Another process streams from it (its walsender's pid).
     Busy(i32),
     /// No confirmed position (not a logical slot).
@@ -93,8 +104,8 @@ impl SlotInfo {
         if self.two_phase {
             found.push(SlotProblem::TwoPhase);
         }
-        if self.wal_status.as_deref() == Some("lost") {
-            found.push(SlotProblem::Lost);
+        if self.wal_status.as_deref() == Some("lost") || self.invalidation_reason.is_some() {
+            found.push(SlotProblem::Lost(self.invalidation_reason.clone()));
         }
         if let Some(pid) = self.active_pid {
             found.push(SlotProblem::Busy(pid));
@@ -131,12 +142,26 @@ impl SlotProblem {
                  before they commit: drop it (SELECT pg_drop_replication_slot('{slot}')) and run \
                  `outbox-relay setup`"
             ),
-            SlotProblem::Lost => "is invalidated (wal_status = lost): the WAL it needed was \
-                 removed, so events committed since its last confirmed position cannot be \
-                 replayed from WAL; run `outbox-relay recover` to recreate the slot and \
+            SlotProblem::Lost(reason) => format!(
+                "is invalidated ({}), so events committed since its last confirmed position \
+                 cannot be replayed from WAL; run `outbox-relay recover` to recreate the slot and \
                  re-publish the outbox rows written since the last checkpoint (`--dry-run` shows \
-                 them first)"
-                .to_owned(),
+                 them first)",
+                match reason.as_deref() {
+                    None | Some("wal_removed") =>
+                        "wal_status = lost: the WAL it needed was removed".to_owned(),
+                    Some("idle_timeout") => "invalidation_reason idle_timeout: unused for longer \
+                        than idle_replication_slot_timeout; raise or unset it"
+                        .to_owned(),
+                    Some("rows_removed") => "invalidation_reason rows_removed: rows it needed \
+                        were vacuumed away (a standby's slot, without hot_standby_feedback)"
+                        .to_owned(),
+                    Some("wal_level_insufficient") => "invalidation_reason \
+                        wal_level_insufficient: wal_level is below logical"
+                        .to_owned(),
+                    Some(other) => format!("invalidation_reason {other}"),
+                }
+            ),
             SlotProblem::Busy(pid) => format!(
                 "is active (pid {pid}): another relay is streaming from it; a second `run` waits \
                  until it stops"
@@ -154,7 +179,7 @@ impl SlotProblem {
     pub fn error(&self, slot: &str) -> SourceError {
         let text = format!("replication slot {slot:?} {}", self.text(slot));
         match self {
-            SlotProblem::Missing | SlotProblem::Lost => SourceError::SlotLost(text),
+            SlotProblem::Missing | SlotProblem::Lost(_) => SourceError::SlotLost(text),
             SlotProblem::Busy(pid) => SourceError::SlotBusy {
                 slot: slot.to_owned(),
                 pid: *pid,
@@ -528,6 +553,8 @@ mod tests {
             database: Some("app".into()),
             in_this_database: true,
             two_phase: false,
+            invalidation_reason: None,
+            inactive_since: None,
         }
     }
 
@@ -550,7 +577,7 @@ mod tests {
                 SlotProblem::Plugin("test_decoding".into()),
                 SlotProblem::OtherDatabase("other".into()),
                 SlotProblem::TwoPhase,
-                SlotProblem::Lost,
+                SlotProblem::Lost(None),
                 SlotProblem::Busy(42),
                 SlotProblem::NoPosition,
             ]
@@ -562,7 +589,25 @@ mod tests {
             SourceError::SlotLost(_)
         ));
         assert!(matches!(
-            SlotProblem::Lost.error("s"),
+            SlotProblem::Lost(None).error("s"),
+            SourceError::SlotLost(_)
+        ));
+        // 17+: a slot invalidated for another cause than removed WAL (18's
+        // idle timeout, a standby's vacuumed rows) is lost too, and says
+        // why, with what to change.
+        let mut idle = healthy();
+        idle.invalidation_reason = Some("idle_timeout".into());
+        assert_eq!(
+            idle.problems(),
+            vec![SlotProblem::Lost(Some("idle_timeout".into()))]
+        );
+        let text = idle.problems()[0].text("s");
+        assert!(
+            text.contains("idle_replication_slot_timeout") && text.contains("recover"),
+            "{text}"
+        );
+        assert!(matches!(
+            idle.problems()[0].error("s"),
             SourceError::SlotLost(_)
         ));
         let busy = SlotProblem::Busy(42).error("s");

@@ -20,6 +20,7 @@ mod crash_windows;
 mod deploy;
 mod failover_slots;
 mod ha;
+mod idle_slot;
 mod idle_wal;
 mod kill9;
 mod large_tx;
