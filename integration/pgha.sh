@@ -74,18 +74,31 @@ pgha_create() {
     # one session, pg_backup_start, a file copy, pg_backup_stop, whose
     # label file goes into the copy as backup_label.
     pgha_psql "$h" primary -c "SELECT pg_create_physical_replication_slot('$PGHA_SLOT', true)" >/dev/null
+    # psql's \! fails only when the shell cannot run: cp's status and
+    # words go to files (of the postgres user, who runs them).
+    local b=$s/backup
+    install -d -o postgres -g postgres -m 755 "$b"
     if ! pgha_psql "$h" primary >"$s/basebackup.log" 2>&1 <<EOF; then
 SELECT pg_backup_start('pgha', true) \g /dev/null
-\! cp -a "$h/primary/pg/." "$s/pg/" 2>/dev/null
-SELECT labelfile FROM pg_backup_stop(false) \g $s/pg/label.out
+\! cp -a "$h/primary/pg/." "$s/pg/" 2>"$b/cp.err"; echo \$? >"$b/cp.rc"
+SELECT labelfile FROM pg_backup_stop(false) \g $b/label.out
 EOF
         cat "$s/basebackup.log" >&2
         die "the base backup of the primary failed"
     fi
+    # A file the primary removed while it was copied is no loss (its
+    # removal is in the WAL the standby replays); anything else is.
+    [[ -s $b/cp.rc ]] || die "the copy of the primary's data directory did not run"
+    if [[ $(cat "$b/cp.rc") != 0 ]] &&
+        grep -v -e 'No such file or directory' "$b/cp.err" | grep -q .; then
+        cat "$b/cp.err" >&2
+        die "copying the primary's data directory failed"
+    fi
+    [[ -s $b/label.out ]] || die "pg_backup_stop returned no label file"
     # psql ends the value with a newline of its own.
-    head -c -1 "$s/pg/label.out" >"$s/pg/backup_label"
+    head -c -1 "$b/label.out" >"$s/pg/backup_label"
     chown postgres:postgres "$s/pg/backup_label"
-    rm -rf "$s/pg/label.out" "$s/pg"/{postmaster.pid,postmaster.opts} \
+    rm -rf "$s/pg"/{postmaster.pid,postmaster.opts} \
         "$s/pg/pg_replslot/"* "$s/pg/pg_wal/"* "$s/pg/pg_stat_tmp/"*
     install -o postgres -g postgres -m 600 /dev/null "$s/pg/standby.signal"
     # Over TCP with a password, as a standby of a real primary.

@@ -28,16 +28,7 @@ LANE_A=(large_tx broker_alarm tls takeover package observability kill9 commands 
 # OUTBOX_IT_PG_MAJOR (unset: Debian's newest). OUTBOX_IT_COMPAT_MAJORS
 # names the others (`make test-matrix` sets it empty: it runs the whole
 # suite on each).
-COMPAT=(relay_e2e kill9 recover unusual_tables outboxes tls failover_slots)
-main_major=${OUTBOX_IT_PG_MAJOR:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 | sed -E 's|.*/([0-9]+)/bin|\1|')}
-if [[ -v OUTBOX_IT_COMPAT_MAJORS ]]; then
-    read -r -a compat_majors <<<"$OUTBOX_IT_COMPAT_MAJORS"
-else
-    compat_majors=()
-    for v in 15 16 17 18; do
-        [[ $v == "$main_major" ]] || compat_majors+=("$v")
-    done
-fi
+COMPAT=(relay_e2e kill9 recover unusual_tables outboxes tls failover_slots idle_slot)
 
 log() { echo "suite.sh: $*" >&2; }
 
@@ -69,17 +60,17 @@ export -f run_modules
 # $COMPAT_MAJORS, each with servers of its own. A TERM stops the servers.sh
 # running (which tears its servers down) before the lane exits.
 lane_a() {
-    local rc=0 v child=""
-    trap 'kill -TERM $child 2>/dev/null; wait; exit 143' INT TERM
+    local rc=0 v
+    # Every job of this shell: a TERM between starting one and noting its
+    # pid still reaches it.
+    trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; exit 143' INT TERM
     integration/servers.sh with bash -c 'run_modules "$@"' lane-a "$@" &
-    child=$!
-    wait "$child" || rc=1
+    wait $! || rc=1
     for v in $COMPAT_MAJORS; do
         echo "suite.sh: PostgreSQL $v: $COMPAT"
         # shellcheck disable=SC2086 # a list of module names
         OUTBOX_IT_PG_MAJOR=$v integration/servers.sh with bash -c 'run_modules "$@"' "compat-$v" $COMPAT &
-        child=$!
-        wait "$child" || rc=1
+        wait $! || rc=1
     done
     return $rc
 }
@@ -89,6 +80,20 @@ export -f lane_a
 # at once and the lanes only run. The example consumer also as a program
 # (tests/it/crash_windows.rs runs it), so that no test builds it mid-run.
 integration/servers.sh install
+# The majors: Debian's and the ones pinned in pgdist.sh; the whole suite
+# runs on OUTBOX_IT_PG_MAJOR (unset: Debian's newest), the subset on
+# each other one (OUTBOX_IT_COMPAT_MAJORS names them instead; empty: none,
+# for a machine without the npm registry).
+debian_majors=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sed -E 's|.*/([0-9]+)/bin|\1|' | sort -n || true)
+main_major=${OUTBOX_IT_PG_MAJOR:-$(tail -n 1 <<<"$debian_majors")}
+if [[ -v OUTBOX_IT_COMPAT_MAJORS ]]; then
+    read -r -a compat_majors <<<"$OUTBOX_IT_COMPAT_MAJORS"
+else
+    compat_majors=()
+    for v in $(printf '%s\n' $debian_majors 16 17 18 | sort -nu); do
+        [[ $v == "$main_major" ]] || compat_majors+=("$v")
+    done
+fi
 for v in "${compat_majors[@]}"; do
     OUTBOX_IT_PG_MAJOR=$v integration/servers.sh install
 done

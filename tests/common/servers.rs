@@ -318,3 +318,15 @@ pub fn broker_logged_closes(slot: &str) -> Vec<bool> {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// The major version of the shared server (`server_version_num`), as the
+/// server says: a test of a version's feature asks it, not the harness.
+pub async fn server_major() -> u32 {
+    let v: i32 = pg_connect()
+        .await
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .unwrap()
+        .get(0);
+    (v / 10_000) as u32
+}

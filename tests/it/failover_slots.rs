@@ -21,13 +21,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn pg_major() -> u32 {
-    std::env::var("TEST_PG_MAJOR")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15)
-}
-
 /// Table-less events, one a transaction, each with a row in `log` (not
 /// published) in the same transaction, so that the new primary says
 /// which ones it has. Runs until `stop`; returns the ids whose COMMIT
@@ -68,7 +61,7 @@ async fn emit_messages(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_promoted_standby_streams_on_from_the_synchronized_slot() {
-    let major = pg_major();
+    let major = server_major().await;
     if major < 17 {
         eprintln!("PostgreSQL {major} has no failover slots: tests/it/ha.rs covers its failover");
         return;

@@ -346,7 +346,7 @@ pub(crate) async fn failover_fixture(
 /// keeps a copy of (tests/it/failover_slots.rs): the failover tests here
 /// are about a standby without the slot, as on 15 and 16, so the slot is
 /// made again without failover.
-async fn without_failover_slot(fx: &Fixture) {
+async fn without_failover_slot(fx: &Fixture, standby_url: &str) {
     let pg = pg_connect_retry_to(&fx.pg_url).await;
     let major: i32 = pg
         .query_one(
@@ -363,6 +363,26 @@ async fn without_failover_slot(fx: &Fixture) {
         )
         .await
         .unwrap();
+        // The standby's copy of the failover slot goes at the sync
+        // worker's next cycle: a promotion before that would find it.
+        let standby = pg_connect_retry_to(standby_url).await;
+        let end = Instant::now() + Duration::from_secs(60);
+        while standby
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
+                &[&fx.slot],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+        {
+            assert!(
+                Instant::now() < end,
+                "the standby still has slot {} after 60 s",
+                fx.slot
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 
@@ -376,7 +396,7 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
     let started = Instant::now();
     let name = format!("rec{}", std::process::id());
     let (mut fx, env) = failover_fixture(&name, "on_slot_lost = \"recover\"", false).await;
-    without_failover_slot(&fx).await;
+    without_failover_slot(&fx, &env["TEST_PGHA_STANDBY_URL"]).await;
     // Re-read in the order written (a transaction's rows too: without it,
     // `(created_at, ctid)` can put a later row first).
     let pg = pg_connect_retry_to(&fx.pg_url).await;
@@ -492,7 +512,7 @@ async fn a_postgres_failover_is_recovered_without_a_person() {
 async fn after_a_failover_the_default_is_to_stop_and_name_the_fix() {
     let name = format!("stop{}", std::process::id());
     let (mut fx, env) = failover_fixture(&name, "", true).await;
-    without_failover_slot(&fx).await;
+    without_failover_slot(&fx, &env["TEST_PGHA_STANDBY_URL"]).await;
     let standby = host_port(&env["TEST_PGHA_STANDBY_URL"]);
     assert!(
         fx.pg_url.contains(&format!("@{standby},")),
