@@ -937,11 +937,13 @@ pub async fn inflict(
 }
 
 /// Who holds a lock on `table` now: each session's application_name
-/// (a prepared transaction's, which has no session, as "prepared").
+/// (its pid without one; a prepared transaction, which has no session,
+/// as "prepared").
 async fn lock_holders(table: &str) -> Vec<String> {
     let pg = pg_connect_retry().await;
     pg.query(
-        "SELECT DISTINCT coalesce(a.application_name, 'prepared') FROM pg_locks l \
+        "SELECT DISTINCT CASE WHEN l.pid IS NULL THEN 'prepared' \
+         ELSE coalesce(nullif(a.application_name, ''), 'pid ' || l.pid) END FROM pg_locks l \
          LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.relation = to_regclass($1) AND l.granted",
         &[&table],
@@ -1069,9 +1071,9 @@ async fn operator(w: &World, sup: &Mutex<Supervisor>, args: &[&str]) -> Result<(
     // The three ways `prune` says so: a recovery holding its lock, one
     // recorded in the checkpoint row and not finished (seed 1800200010: a
     // prune 4 ms after a drop-slot), the slot not there yet. `setup`
-    // refuses to make the slot while a recovery is recorded and the slot
-    // is gone (seed 1808600037: a setup between the relay's recording of
-    // its recovery and its new slot): only `recover` may make it.
+    // refuses to make a dropped slot again (seed 1808600037): while a
+    // recovery is recorded, or once a relay has streamed from it (a new
+    // slot would skip what was committed meanwhile): only `recover` may.
     let lost = sup.lock().unwrap().dropped > 0;
     if lost
         && (last.contains("a recovery of this slot is running")
@@ -1079,8 +1081,8 @@ async fn operator(w: &World, sup: &Mutex<Supervisor>, args: &[&str]) -> Result<(
                 && (last.contains("is missing or lost: `outbox-relay recover`")
                     || last.contains("a recovery is under way")))
             || (args[0] == "setup"
-                && last.contains("a recovery is under way for slot")
-                && last.contains("the slot is gone")))
+                && (last.contains("the slot is gone") || last.contains("is gone, but a relay"))
+                && last.contains("outbox-relay recover")))
     {
         eprintln!("checker: {} refused while a recovery runs", args.join(" "));
         return Ok(());

@@ -152,7 +152,8 @@ pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
     let client = connect_sql(&cfg.postgres).await?;
     // A recovery resumes after its last confirmed row only while the slot
     // it made lives: a slot made here would hide that it is gone.
-    if slot::slot_info(&client, cfg).await?.is_none()
+    let missing = slot::slot_info(&client, cfg).await?.is_none();
+    if missing
         && crate::source::checkpoint_table::pending_recovery(&client, cfg)
             .await?
             .is_some()
@@ -161,6 +162,23 @@ pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
             "a recovery is under way for slot {:?} and the slot is gone: run `outbox-relay \
              recover`, which makes it again and re-publishes the recovery's window from its start",
             cfg.postgres.slot
+        )));
+    }
+    // A relay has streamed from a slot of this name (its checkpoint row):
+    // a new slot starts at the current WAL position, so every event
+    // committed since that relay's last confirmed one would never be
+    // sent, and `run` could not tell (checker seed 1808600037: setup
+    // between a dropped slot and the relay noticing).
+    if missing && let Some(c) = crate::source::checkpoint_table::read(&client, cfg).await? {
+        return Err(SourceError::Setup(format!(
+            "slot {:?} is gone, but a relay has streamed from a slot of that name (checkpoint at \
+             {}, commit {}, in {}): a slot made now would skip every event committed since; run \
+             `outbox-relay recover`, which makes it again and re-publishes the outbox rows since \
+             the checkpoint (or, to start afresh on purpose, delete that checkpoint row first)",
+            cfg.postgres.slot,
+            c.confirmed_lsn,
+            c.last_commit_time.as_deref().unwrap_or("none yet"),
+            cfg.postgres.checkpoint_table.quoted()
         )));
     }
     let report = slot::setup(&client, cfg).await?;

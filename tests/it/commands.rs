@@ -5,6 +5,7 @@
 use crate::common;
 
 use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 
@@ -111,6 +112,47 @@ async fn run_without_a_slot_says_to_run_setup() {
         err.contains(&fx.slot) && err.contains("outbox-relay setup"),
         "{err}"
     );
+    fx.cleanup().await;
+}
+
+/// Once a relay has streamed from the slot, `setup` does not make a
+/// dropped slot again: the new one would start at the current WAL
+/// position, and the events committed since the relay's last confirmed
+/// one would never be sent (checker seed 1808600037). It says to run
+/// `recover`, which re-publishes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_does_not_make_a_dropped_slot_again_after_a_relay_streamed_from_it() {
+    let mut fx = Fixture::new("resetup").await;
+    let (pg, relay) = fx.streaming().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the checkpoint row
+    relay.stop_ok();
+    let gap = fx
+        .insert(&pg, "s", "gap", "e", &serde_json::json!({}))
+        .await;
+    fx.drop_slot(&pg).await;
+    let out = fx.relay_cmd("setup").output().unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "setup made the slot again: {err}");
+    assert!(
+        err.contains("is gone, but a relay") && err.contains("outbox-relay recover"),
+        "{err}"
+    );
+    let exists: bool = pg
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!exists, "setup refused, yet made the slot");
+    fx.relay_ok("recover", &[]);
+    let relay = fx.spawn_relay();
+    let after = fx
+        .insert(&pg, "s", "after", "e", &serde_json::json!({}))
+        .await;
+    fx.expect_delivered(&[gap, after], &relay).await;
+    relay.stop_ok();
     fx.cleanup().await;
 }
 
