@@ -147,6 +147,28 @@ pub async fn run(
     relay::run(cfg, shutdown, metrics).await
 }
 
+/// The refusal to make slot `postgres.slot` again, if a relay has
+/// confirmed events from a slot of that name.
+async fn streamed_from(
+    client: &tokio_postgres::Client,
+    cfg: &Config,
+) -> Result<Option<SourceError>, SourceError> {
+    let row = crate::source::checkpoint_table::read(client, cfg).await?;
+    Ok(row.filter(|c| c.last_commit_time.is_some()).map(|c| {
+        SourceError::Setup(format!(
+            "slot {:?} is gone, but a relay has streamed from a slot of that name (checkpoint \
+                 at {}, commit {}, in {}): a slot made now would skip every event committed \
+                 since; run `outbox-relay recover`, which makes it again and re-publishes the \
+                 outbox rows since the checkpoint (or, to start afresh on purpose, delete that \
+                 checkpoint row first)",
+            cfg.postgres.slot,
+            c.confirmed_lsn,
+            c.last_commit_time.as_deref().unwrap_or("-"),
+            cfg.postgres.checkpoint_table.quoted()
+        ))
+    }))
+}
+
 /// `setup`: prints what it did.
 pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
     let client = connect_sql(&cfg.postgres).await?;
@@ -164,22 +186,40 @@ pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
             cfg.postgres.slot
         )));
     }
-    // A relay has streamed from a slot of this name (its checkpoint row):
-    // a new slot starts at the current WAL position, so every event
-    // committed since that relay's last confirmed one would never be
-    // sent, and `run` could not tell (checker seed 1808600037: setup
-    // between a dropped slot and the relay noticing).
-    if missing && let Some(c) = crate::source::checkpoint_table::read(&client, cfg).await? {
-        return Err(SourceError::Setup(format!(
-            "slot {:?} is gone, but a relay has streamed from a slot of that name (checkpoint at \
-             {}, commit {}, in {}): a slot made now would skip every event committed since; run \
-             `outbox-relay recover`, which makes it again and re-publishes the outbox rows since \
-             the checkpoint (or, to start afresh on purpose, delete that checkpoint row first)",
-            cfg.postgres.slot,
-            c.confirmed_lsn,
-            c.last_commit_time.as_deref().unwrap_or("none yet"),
-            cfg.postgres.checkpoint_table.quoted()
-        )));
+    // A relay has confirmed events from a slot of this name (its
+    // checkpoint row has a commit time): a new slot starts at the current
+    // WAL position, so every event committed since the last confirmed one
+    // would never be sent, and `run` could not tell (checker seed
+    // 1808600037: setup between a dropped slot and the relay noticing).
+    // `recover` re-publishes from that commit. A row without one (no
+    // commit confirmed yet) has no window for `recover`: README's remedy
+    // there is this `setup` and `republish --since`.
+    if missing && let Some(refusal) = streamed_from(&client, cfg).await? {
+        return Err(refusal);
+    }
+    let report = slot::setup(&client, cfg).await?;
+    // The slot may have gone between that look and the slot's creation
+    // (a drop racing this setup): a slot made now is undone, the same way.
+    if report.created_slot
+        && let Some(refusal) = streamed_from(&client, cfg).await?
+    {
+        let undone = client
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND active_pid IS NULL",
+                &[&cfg.postgres.slot],
+            )
+            .await
+            .map_err(sql_err(&cfg.postgres, "dropping the slot just made"))?;
+        return Err(if undone == 1 {
+            refusal
+        } else {
+            SourceError::Setup(format!(
+                "{refusal}; the slot this setup made is already in use: stop the relay, drop it \
+                 (SELECT pg_drop_replication_slot('{}')) and run `outbox-relay recover`",
+                cfg.postgres.slot
+            ))
+        });
     }
     let report = slot::setup(&client, cfg).await?;
     let said = |created: bool| {

@@ -94,6 +94,10 @@ async fn an_interrupted_recovery_of_a_partitioned_outbox_skips_no_row() {
     let ids = one_large_transaction(&fx, &pg, 30000, "'p'").await;
     configure(&fx, "", None);
     let mut done_before = 0i64;
+    // On a fast machine the last rounds may finish the rest between two
+    // progress records (about a second): the rounds before were the
+    // interruptions, and the recovery is complete.
+    let mut finished = false;
     for round in 0..4 {
         let mut rec = fx.spawn_subcommand("recover", &[]);
         // Progress is recorded about once a second: stop once it moved.
@@ -103,6 +107,10 @@ async fn an_interrupted_recovery_of_a_partitioned_outbox_skips_no_row() {
             if done.is_some_and(|d| d > done_before) {
                 break;
             }
+            if round > 0 && !rec.is_running() {
+                finished = true;
+                break;
+            }
             assert!(
                 rec.is_running() && Instant::now() < deadline,
                 "round {round}: no progress recorded before the end:\n{}",
@@ -110,10 +118,16 @@ async fn an_interrupted_recovery_of_a_partitioned_outbox_skips_no_row() {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        signal(rec.pid(), "INT");
+        if !finished {
+            signal(rec.pid(), "INT");
+        }
         let (status, log) = Fixture::wait_exit(&mut rec, Duration::from_secs(30));
+        if round > 0 && status.success() && log.contains("recovery complete") {
+            finished = true;
+            break;
+        }
         assert!(
-            !status.success() && log.contains("recovery stopped after"),
+            !finished && !status.success() && log.contains("recovery stopped after"),
             "round {round}: set-up: recover was not interrupted half way ({status}):\n{log}"
         );
         done_before = fx
@@ -122,8 +136,10 @@ async fn an_interrupted_recovery_of_a_partitioned_outbox_skips_no_row() {
             .unwrap_or_default();
         assert!(done_before < ids.len() as i64, "round {round}: all done");
     }
-    let said = fx.relay_ok("recover", &[]);
-    assert!(said.contains("recovery complete"), "{said}");
+    if !finished {
+        let said = fx.relay_ok("recover", &[]);
+        assert!(said.contains("recovery complete"), "{said}");
+    }
     let want: Vec<String> = ids.into_iter().map(|(id, _)| id).collect();
     fx.collect_until(&want, Duration::from_secs(120), Duration::ZERO, None)
         .await;
