@@ -221,7 +221,6 @@ pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
             ))
         });
     }
-    let report = slot::setup(&client, cfg).await?;
     let said = |created: bool| {
         if created {
             "created"

@@ -184,6 +184,15 @@ impl Fixture {
             "setup failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // A first setup says what it made (bbc3426 ran it twice and
+        // printed the second pass: "already present" for both).
+        let said = String::from_utf8_lossy(&out.stdout);
+        for made in [
+            format!("publication {}: created", f.publication),
+            format!("replication slot {}: created", f.slot),
+        ] {
+            assert!(said.contains(&made), "setup did not say {made:?}: {said}");
+        }
         // The relay runs as an operator would run it: a role with
         // REPLICATION, SELECT on its outbox and its own checkpoint row,
         // admitted by a database pg_hba line only.
