@@ -8,7 +8,7 @@ SHELL := bash
 .DEFAULT_GOAL := help
 
 SERVERS := integration/servers.sh
-# `make test` runs the whole suite in two lanes, each with servers of its
+# `make test` runs the whole suite in three lanes, each with servers of its
 # own (integration/suite.sh). TEST_CMD narrows a run to one command against
 # one set of servers:
 #   make test TEST_CMD='cargo test --test it -- chaos:: --nocapture'

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The whole test suite, as `make test` runs it: built once, then run in two
-# lanes at the same time, each against servers of its own (servers.sh with),
-# so that one lane's faults (a broker stopped, PostgreSQL restarted) never
-# reach the other's tests. Most of the suite waits on servers, not on the
-# CPU, so two lanes take about half the time of one.
+# The whole test suite, as `make test` runs it: built once, then run in
+# three lanes at the same time, each against servers of its own (servers.sh
+# with), so that one lane's faults (a broker stopped, PostgreSQL restarted)
+# never reach another's tests. Most of the suite waits on servers, not on
+# the CPU, so three lanes take about a third of the time of one.
 #
 #   integration/suite.sh            build, run both lanes, print both logs
 #
@@ -15,8 +15,10 @@
 # longest ones, balanced against the rest by their measured times); lane B
 # the library's and the binaries' unit tests, the examples, the checker,
 # and every other module of tests/it/, so that a new module runs without
-# being listed here. Each lane's output goes to target/suite/lane-{a,b}.log
-# and is printed whole when both have finished.
+# being listed here; lane C the whole-system checker (checker/main.rs: its
+# fixed seeds and regressions, the longest single part). Each lane's output
+# goes to target/suite/lane-{a,b,c}.log and is printed whole when all have
+# finished.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -56,15 +58,21 @@ run_modules() {
 }
 export -f run_modules
 
-# Lane A: its modules, then the compatibility subset ($COMPAT) on each of
+# A lane: $LANE_FIRST when set (a command that needs no servers), its
+# modules, then the compatibility subset ($COMPAT) on each of
 # $COMPAT_MAJORS, each with servers of its own. A TERM stops the servers.sh
 # running (which tears its servers down) before the lane exits.
-lane_a() {
-    local rc=0 v
+lane() {
+    local rc=0 v name=$1
+    shift
     # Every job of this shell: a TERM between starting one and noting its
     # pid still reaches it.
     trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; exit 143' INT TERM
-    integration/servers.sh with bash -c 'run_modules "$@"' lane-a "$@" &
+    if [[ -n ${LANE_FIRST:-} ]]; then
+        $LANE_FIRST &
+        wait $! || rc=1
+    fi
+    integration/servers.sh with bash -c 'run_modules "$@"' "$name" "$@" &
     wait $! || rc=1
     for v in $COMPAT_MAJORS; do
         echo "suite.sh: PostgreSQL $v: $COMPAT"
@@ -74,7 +82,7 @@ lane_a() {
     done
     return $rc
 }
-export -f lane_a
+export -f lane
 
 # Build everything first, in the foreground, so that compile errors show
 # at once and the lanes only run. The example consumer also as a program
@@ -105,57 +113,69 @@ target_dir=$(cargo metadata --format-version 1 --no-deps |
     sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 export TEST_CONSUMER_BIN=${target_dir:-$PWD/target}/debug/examples/consumer
 
+# The unit tests (library, binaries, examples): no servers needed.
+unit='cargo test --no-fail-fast --lib --bins --examples -- --test-threads=4'
+# The whole-system checker (checker/main.rs, not under tests/).
+checker='cargo test --no-fail-fast --test checker'
+
 # Servers of the caller's own (TEST_PG_URL, TEST_AMQP_URL): one set, so one
-# lane, or one lane's faults would reach the other's tests.
+# lane, or one lane's faults would reach another's tests.
 if [[ -n ${TEST_PG_URL:-} && -n ${TEST_AMQP_URL:-} ]]; then
     log "TEST_PG_URL and TEST_AMQP_URL are set: one lane, on those servers"
     rc=0
-    cargo test --no-fail-fast --lib --bins --examples --test checker -- --test-threads=4 || rc=1
+    $unit || rc=1
+    $checker || rc=1
     run_modules "${LANE_A[@]}" "${lane_b[@]}" || rc=1
     exit $rc
 fi
 
 mkdir -p target/suite
-# The checker (checker/main.rs, not under tests/) runs in lane B.
-lane_b_cmd='rc=0
-cargo test --no-fail-fast --lib --bins --examples --test checker -- --test-threads=4 || rc=1
-run_modules "$@" || rc=1
-exit $rc'
+# The compatibility majors, shared between lanes A and B (A's modules take
+# longer than B's): A takes the first half.
+half=$(((${#compat_majors[@]} + 1) / 2))
+compat_a="${compat_majors[*]:0:half}"
+compat_b="${compat_majors[*]:half}"
 
 started=$SECONDS
-pid_a="" pid_b=""
-# Ctrl-C or a TERM stops both lanes (each tears its servers down), and
+pid_a="" pid_b="" pid_c=""
+# Ctrl-C or a TERM stops every lane (each tears its servers down), and
 # waits for them to have done so.
-trap 'kill -TERM $pid_a $pid_b 2>/dev/null || true; wait || true; exit 143' INT TERM
-COMPAT_MAJORS="${compat_majors[*]}" COMPAT="${COMPAT[*]}" \
-    bash -c 'lane_a "$@"' lane-a "${LANE_A[@]}" \
+trap 'kill -TERM $pid_a $pid_b $pid_c 2>/dev/null || true; wait || true; exit 143' INT TERM
+COMPAT_MAJORS="$compat_a" COMPAT="${COMPAT[*]}" \
+    bash -c 'lane "$@"' lane-a lane-a "${LANE_A[@]}" \
     >target/suite/lane-a.log 2>&1 </dev/null &
 pid_a=$!
-integration/servers.sh with bash -c "$lane_b_cmd" lane-b "${lane_b[@]}" \
+LANE_FIRST="$unit" COMPAT_MAJORS="$compat_b" COMPAT="${COMPAT[*]}" \
+    bash -c 'lane "$@"' lane-b lane-b "${lane_b[@]}" \
     >target/suite/lane-b.log 2>&1 </dev/null &
 pid_b=$!
-log "lane A: ${LANE_A[*]}; then on PostgreSQL ${compat_majors[*]:-(none)}: ${COMPAT[*]}"
-log "lane B: unit tests, examples, ${lane_b[*]}"
-rc_a=0 rc_b=0
+integration/servers.sh with $checker >target/suite/lane-c.log 2>&1 </dev/null &
+pid_c=$!
+log "lane A: ${LANE_A[*]}; then on PostgreSQL ${compat_a:-(none)}: ${COMPAT[*]}"
+log "lane B: unit tests, examples, ${lane_b[*]}; then on PostgreSQL ${compat_b:-(none)}: ${COMPAT[*]}"
+log "lane C: the checker (checker/main.rs)"
+rc_a=0 rc_b=0 rc_c=0
 wait "$pid_a" || rc_a=$?
 log "lane A finished (exit $rc_a) after $((SECONDS - started))s"
 wait "$pid_b" || rc_b=$?
 log "lane B finished (exit $rc_b) after $((SECONDS - started))s"
+wait "$pid_c" || rc_c=$?
+log "lane C finished (exit $rc_c) after $((SECONDS - started))s"
 
-for lane in a b; do
-    echo "================ lane ${lane^^} (target/suite/lane-$lane.log)"
-    cat "target/suite/lane-$lane.log"
+logs=(target/suite/lane-a.log target/suite/lane-b.log target/suite/lane-c.log)
+for f in "${logs[@]}"; do
+    echo "================ $f"
+    cat "$f"
 done
 
-# One closing line for the whole run, counted from both lanes' libtest lines.
+# One closing line for the whole run, counted from the lanes' libtest lines.
 read -r passed failed < <(
-    grep -h '^test result:' target/suite/lane-a.log target/suite/lane-b.log |
+    grep -h '^test result:' "${logs[@]}" |
         awk '{for (i = 1; i <= NF; i++) {if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i}} END {print p + 0, f + 0}'
 )
-echo "suite: lane A exit $rc_a, lane B exit $rc_b, $((SECONDS - started))s"
+echo "suite: lane A exit $rc_a, lane B exit $rc_b, lane C exit $rc_c, $((SECONDS - started))s"
 # A test run that crashed (an abort, a stack overflow) prints no result
 # line of its own: name it, so the count below is not taken for the whole.
-grep -h -E '^error: test failed|process didn.t exit successfully' \
-    target/suite/lane-a.log target/suite/lane-b.log || true
+grep -h -E '^error: test failed|process didn.t exit successfully' "${logs[@]}" || true
 echo "$passed passed, $failed failed"
-((rc_a == 0 && rc_b == 0))
+((rc_a == 0 && rc_b == 0 && rc_c == 0))

@@ -27,7 +27,8 @@ pub use auth::{AuthMethod, AuthPolicy};
 use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
 use raw::{RawConfig, RawUrls};
-use secrets::with_password_file;
+use secrets::PasswordFile;
+pub use secrets::ROTATION_GRACE;
 use trust::{check_ca_file, postgres_trust};
 pub use types::*;
 
@@ -89,17 +90,61 @@ fn key_err(key: &str, message: impl Into<String>) -> ConfigError {
 }
 
 /// A value that must never be printed: passwords, and URLs that carry them.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+/// A URL whose password comes from a `password_file` also knows that file,
+/// and reads it again at every connect ([`Secret::current`]).
+#[derive(Clone)]
+pub struct Secret {
+    value: String,
+    file: Option<std::sync::Arc<secrets::PasswordFile>>,
+}
+
+impl PartialEq for Secret {
+    fn eq(&self, other: &Self) -> bool {
+        self.value == other.value
+    }
+}
+impl Eq for Secret {}
 
 impl Secret {
     /// Wraps a secret value.
     pub fn new(s: impl Into<String>) -> Self {
-        Secret(s.into())
+        Secret {
+            value: s.into(),
+            file: None,
+        }
     }
-    /// The secret itself, for the one place that must send it.
+    /// The secret as the config was loaded: for what the password does not
+    /// change (hosts, user, database, the URL shown with it masked).
     pub fn expose(&self) -> &str {
-        &self.0
+        &self.value
+    }
+    /// The secret to connect with now: with a `password_file`, the URL
+    /// with what the file holds now (a rotated password takes effect at
+    /// the next connect); if it cannot be read, the password read last,
+    /// with a warning naming the setting.
+    pub fn current(&self) -> Secret {
+        match &self.file {
+            Some(file) => Secret::new(file.apply(&self.value)),
+            None => self.clone(),
+        }
+    }
+    /// The server refused the password (PostgreSQL 28P01, RabbitMQ's
+    /// refused login): true when trying again may fix it, a password file
+    /// being rotated, within [`ROTATION_GRACE`] of the first
+    /// refusal in a row.
+    pub fn login_refused(&self) -> bool {
+        self.file.as_ref().is_some_and(|f| f.refused())
+    }
+    /// The server accepted the password: a later refusal starts a new
+    /// grace period.
+    pub fn login_accepted(&self) {
+        if let Some(f) = &self.file {
+            f.accepted();
+        }
+    }
+    /// The setting the password comes from, for messages.
+    pub fn password_key(&self) -> Option<&'static str> {
+        self.file.as_ref().map(|f| f.key())
     }
 }
 
@@ -169,11 +214,13 @@ impl RawConfig {
         ssl_cert_file: Option<&str>,
     ) -> Result<Config, ConfigError> {
         let mut p = self.postgres;
-        let pg_password_file = non_empty(p.password_file.take());
+        let pg_password_file = match non_empty(p.password_file.take()) {
+            Some(file) => Some(PasswordFile::open("postgres.password_file", &file)?),
+            None => None,
+        };
         if let Some(file) = &pg_password_file {
-            p.url = with_password_file(&p.url, "postgres.password_file", file)?;
+            p.url = file.first(&p.url)?;
         }
-        let pg_password_file = pg_password_file.is_some();
         if !(p.url.starts_with("postgres://") || p.url.starts_with("postgresql://")) {
             return Err(key_err(
                 "postgres.url",
@@ -205,7 +252,7 @@ impl RawConfig {
             .unwrap_or(&targets[0])
             .clone();
         PgTarget::check_parameters(&parsed).map_err(|e| key_err("postgres.url", e))?;
-        if pg_password_file && query_has_password(&url_tls.url) {
+        if pg_password_file.is_some() && query_has_password(&url_tls.url) {
             return Err(key_err(
                 "postgres.url",
                 "has a password= parameter, which would win over postgres.password_file; \
@@ -272,10 +319,13 @@ impl RawConfig {
                 "expected a URL of the form amqp://user:password@host:port/vhost, or a list of them",
             ));
         }
-        let password_file = non_empty(r.password_file.take());
+        let password_file = match non_empty(r.password_file.take()) {
+            Some(file) => Some(PasswordFile::open("rabbitmq.password_file", &file)?),
+            None => None,
+        };
         for url in &mut urls {
             if let Some(file) = &password_file {
-                *url = with_password_file(url, "rabbitmq.password_file", file)?;
+                *url = file.first(url)?;
             }
             if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
                 return Err(key_err(
@@ -422,7 +472,7 @@ impl RawConfig {
 
         Ok(Config {
             postgres: PostgresConfig {
-                url: Secret::new(p.url),
+                url: Secret::with_file(p.url, pg_password_file.as_ref()),
                 slot: p.slot,
                 publication: p.publication,
                 status_interval: Duration::from_millis(p.status_interval_ms),
@@ -437,7 +487,9 @@ impl RawConfig {
             },
             outboxes,
             rabbitmq: RabbitmqConfig {
-                urls: urls.into_iter().map(Secret::new).collect(),
+                urls: (urls.into_iter())
+                    .map(|u| Secret::with_file(u, password_file.as_ref()))
+                    .collect(),
                 shuffle: r.shuffle,
                 exchange,
                 fixed_exchanges,

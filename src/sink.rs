@@ -103,6 +103,20 @@ pub enum SinkError {
         /// The timeout.
         secs: u64,
     },
+    /// The broker refused the password of `rabbitmq.password_file` within
+    /// `ROTATION_GRACE` of the first refusal: a rotation may be under way,
+    /// so the next connect reads the file again.
+    #[error(
+        "{source}; {key} may be in the middle of a rotation: trying again with what it then \
+         holds, for up to {} minutes after the first refusal",
+        crate::config::ROTATION_GRACE.as_secs() / 60
+    )]
+    PasswordRotating {
+        /// The setting the password comes from.
+        key: &'static str,
+        /// The refusal.
+        source: Box<SinkError>,
+    },
 }
 
 impl SinkError {
@@ -115,6 +129,7 @@ impl SinkError {
             | SinkError::Returned { .. }
             | SinkError::DeadLetterRefused { .. } => Disposition::Stop,
             SinkError::Disconnected
+            | SinkError::PasswordRotating { .. }
             | SinkError::Timeout(_)
             | SinkError::Nacked { .. }
             | SinkError::ConfirmTimeout { .. } => Disposition::Transient,
@@ -128,6 +143,15 @@ impl SinkError {
         match self.disposition() {
             Disposition::MissingExchange(x) => Some(x),
             _ => None,
+        }
+    }
+
+    /// The refusal itself, without the retry a rotating password file
+    /// earns (`check` reports it, it does not retry).
+    pub fn without_rotation(self) -> SinkError {
+        match self {
+            SinkError::PasswordRotating { source, .. } => *source,
+            other => other,
         }
     }
 
@@ -266,7 +290,9 @@ impl AmqpSink {
         node: usize,
         name: &str,
     ) -> Result<AmqpSink, SinkError> {
-        let secret = cfg.urls[node].expose();
+        // The password as the password file holds it now (see `Secret`).
+        let current = cfg.urls[node].current();
+        let secret = current.expose();
         let url = shown_url(secret);
         let amqp = |what, source| SinkError::Amqp {
             what,
@@ -300,10 +326,22 @@ impl AmqpSink {
                 if let Some(f) = TlsFailure::find(&source).filter(TlsFailure::is_permanent) {
                     return Err(SinkError::Tls(tls::rabbitmq_failure(&f, &url)));
                 }
-                return Err(amqp(what, source));
+                let login_refused = matches!(&source, WireError::ConnectionClosed { code: 403, text }
+                    if text.contains("Login was refused"));
+                let refusal = amqp(what, source);
+                return Err(match cfg.urls[node].password_key() {
+                    Some(key) if login_refused && cfg.urls[node].login_refused() => {
+                        SinkError::PasswordRotating {
+                            key,
+                            source: Box::new(refusal),
+                        }
+                    }
+                    _ => refusal,
+                });
             }
             Ok(Ok(wire)) => wire,
         };
+        cfg.urls[node].login_accepted();
         Ok(AmqpSink { wire, url, node })
     }
 

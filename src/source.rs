@@ -110,6 +110,21 @@ pub enum SourceError {
     /// The WAL stream could not be understood.
     #[error(transparent)]
     Stream(#[from] crate::outbox::StreamError),
+    /// The server refused the password of a `password_file` within
+    /// `ROTATION_GRACE` of the first refusal: a rotation may be under way
+    /// (the server's password and the file change in either order), so the
+    /// next connect reads the file again.
+    #[error(
+        "{source}; {key} may be in the middle of a rotation: trying again with what it then \
+         holds, for up to {} minutes after the first refusal",
+        crate::config::ROTATION_GRACE.as_secs() / 60
+    )]
+    PasswordRotating {
+        /// The setting the password comes from.
+        key: &'static str,
+        /// The refusal.
+        source: Box<SourceError>,
+    },
 }
 
 impl SourceError {
@@ -141,6 +156,7 @@ impl SourceError {
                 }
             }
             SourceError::Ended
+            | SourceError::PasswordRotating { .. }
             | SourceError::Moved(_)
             | SourceError::Stalled(_)
             | SourceError::Raced(_)
@@ -150,6 +166,17 @@ impl SourceError {
             // Not retried by a session: `run` goes back to finishing it.
             SourceError::RecoveryPending(_) => false,
             SourceError::Setup(_) | SourceError::SlotLost(_) | SourceError::Stream(_) => false,
+        }
+    }
+}
+
+impl SourceError {
+    /// The refusal itself, without the retry a rotating password file
+    /// earns (`check` reports it, it does not retry).
+    pub fn without_rotation(self) -> SourceError {
+        match self {
+            SourceError::PasswordRotating { source, .. } => *source,
+            other => other,
         }
     }
 }
@@ -170,7 +197,9 @@ const HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Opens a SQL connection; its driver task runs until the client is dropped.
 pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
-    let url = cfg.url.expose();
+    // The password as the password file holds it now (see `Secret`).
+    let secret = cfg.url.current();
+    let url = secret.expose();
     // The URL was validated with the same split when the config was loaded.
     // The URL was checked to name exactly `cfg.target` when the config was
     // loaded: the replication connection reaches the same server.
@@ -205,6 +234,16 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
         .map_err(|e| SourceError::Setup(format!("postgres.ca_file: {e}")))?;
     let explain = |source: tokio_postgres::Error| {
+        if source.code() == Some(&tokio_postgres::error::SqlState::INVALID_PASSWORD) {
+            return password_refused(
+                cfg,
+                SourceError::Sql {
+                    what: "connecting to PostgreSQL".into(),
+                    url: shown_url(url),
+                    source,
+                },
+            );
+        }
         if let Some(refused) = AuthRefused::find(&source) {
             return SourceError::Setup(format!("SQL connection to {}: {refused}", shown_url(url)));
         }
@@ -305,6 +344,7 @@ async fn connect_guarded(
                 continue;
             }
         }
+        cfg.url.login_accepted();
         return Ok(client);
     }
     Err(failed.expect("postgres.url names at least one server"))
@@ -411,6 +451,19 @@ pub async fn start_replication(
     Err(failed.expect("postgres.url names at least one server"))
 }
 
+/// `refusal`, the server's refusal of the password, retried as
+/// [`SourceError::PasswordRotating`] when the password comes from a file
+/// that may be being rotated.
+fn password_refused(cfg: &PostgresConfig, refusal: SourceError) -> SourceError {
+    match cfg.url.password_key() {
+        Some(key) if cfg.url.login_refused() => SourceError::PasswordRotating {
+            key,
+            source: Box::new(refusal),
+        },
+        _ => refusal,
+    }
+}
+
 /// The server's refusal of START_REPLICATION for a slot that does not
 /// exist (`replication slot "x" does not exist`, SQLSTATE 42704): by its
 /// English text, or, in any `lc_messages`, by its code and the slot's name
@@ -433,7 +486,8 @@ async fn open_replication(
         silence_limit,
     }: StreamLimits,
 ) -> Result<ReplicationClient, SourceError> {
-    let url = cfg.url.expose();
+    let secret = cfg.url.current();
+    let url = secret.expose();
     let pg: tokio_postgres::Config = split_pg_url(url)
         .url
         .parse()
@@ -508,8 +562,22 @@ async fn open_replication(
         Ok::<_, pgwire_replication::PgWireError>(Ok(client))
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
-        Ok(Ok(r)) => r,
+        Ok(Ok(r)) => {
+            cfg.url.login_accepted();
+            r
+        }
         Ok(Err(source)) => Err(match &source {
+            // Accepted on the SQL connection a moment before: a rotation
+            // in between, or a password that only this one refuses.
+            pgwire_replication::PgWireError::Server(msg) if msg.ends_with("(SQLSTATE 28P01)") => {
+                password_refused(
+                    cfg,
+                    SourceError::Setup(format!(
+                        "replication connection to {target}: {msg}: fix the password (postgres.url, \
+                         OUTBOX_RELAY_POSTGRES_URL or postgres.password_file)"
+                    )),
+                )
+            }
             pgwire_replication::PgWireError::AuthNotAllowed { method } => {
                 let m = AuthMethod::by_name(method).unwrap_or(AuthMethod::None);
                 SourceError::Setup(format!(

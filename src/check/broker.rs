@@ -10,7 +10,14 @@ use crate::sink::{AmqpSink, SinkError};
 
 /// What the broker check says about a failure to connect as `user` to
 /// `vhost`.
-pub(super) fn describe_amqp_error(e: &SinkError, user: &str, vhost: &str) -> String {
+/// `e`, a failed connect, with what to fix; `password_key` is the
+/// setting the password comes from when not the URL (`password_file`).
+pub(super) fn describe_amqp_error(
+    e: &SinkError,
+    user: &str,
+    vhost: &str,
+    password_key: Option<&str>,
+) -> String {
     let no_answer = || {
         format!(
             "no answer within {} s: is the host and port in rabbitmq.url a RabbitMQ broker?",
@@ -27,8 +34,9 @@ pub(super) fn describe_amqp_error(e: &SinkError, user: &str, vhost: &str) -> Str
     };
     match source {
         WireError::ConnectionClosed { code: 403, text } => format!(
-            "the broker refused user {user:?} ({text}): fix the user name or password in \
-             rabbitmq.url (or OUTBOX_RELAY_RABBITMQ_URL)"
+            "the broker refused user {user:?} ({text}): fix the user name in rabbitmq.url (or \
+             OUTBOX_RELAY_RABBITMQ_URL) or the password in {}",
+            password_key.unwrap_or("the same URL")
         ),
         WireError::ConnectionClosed { code: 530, text } => format!(
             "user {user:?} may not use vhost {vhost:?} ({text}): create the vhost or grant \
@@ -90,10 +98,14 @@ pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<A
             let line = Line::ok(what, format!("logged in as {user}, vhost {vhost}"));
             return (line, Some(sink));
         }
-        Ok(Err(e)) => e,
+        Ok(Err(e)) => e.without_rotation(),
         Err(_) => SinkError::Timeout("connecting to RabbitMQ"),
     };
-    let line = Line::fail(what, describe_amqp_error(&failed, &user, &vhost));
+    let password_key = cfg.rabbitmq.urls[node].password_key();
+    let line = Line::fail(
+        what,
+        describe_amqp_error(&failed, &user, &vhost, password_key),
+    );
     (line, None)
 }
 

@@ -56,10 +56,14 @@ pub(super) async fn postgres_connect(cfg: &Config) -> (Line, Option<Client>) {
     let url = shown_url(cfg.postgres.url.expose());
     let what = format!("PostgreSQL reachable at {url}");
     // connect_sql has its own deadline (15 s), the same as CHECK_TIMEOUT.
-    let client = match connect_sql(&cfg.postgres).await {
+    let client = match connect_sql(&cfg.postgres)
+        .await
+        .map_err(SourceError::without_rotation)
+    {
         Ok(c) => c,
         Err(SourceError::Sql { source, .. }) => {
-            return (Line::fail(what, describe_pg_connect_error(&source)), None);
+            let why = describe_pg_connect_error(&source, cfg.postgres.url.password_key());
+            return (Line::fail(what, why), None);
         }
         Err(e) => {
             return (
@@ -119,12 +123,19 @@ pub(super) async fn postgres_connect(cfg: &Config) -> (Line, Option<Client>) {
     }
 }
 
-pub(super) fn describe_pg_connect_error(e: &tokio_postgres::Error) -> String {
+/// `e`, a failed connect, with what to fix; `password_key` is the
+/// setting the password comes from when not the URL (`password_file`).
+pub(super) fn describe_pg_connect_error(
+    e: &tokio_postgres::Error,
+    password_key: Option<&str>,
+) -> String {
     let text = pg_error_text(e);
     match e.code() {
         Some(c) if c.code().starts_with("28") => format!(
-            "authentication failed ({text}): fix the user name or password in postgres.url \
-             (or OUTBOX_RELAY_POSTGRES_URL), or the server's pg_hba.conf entry for this client"
+            "authentication failed ({text}): fix the user name in postgres.url (or \
+             OUTBOX_RELAY_POSTGRES_URL) or the password in {}, or the server's pg_hba.conf \
+             entry for this client",
+            password_key.unwrap_or("the same URL")
         ),
         Some(c) if *c == SqlState::INVALID_CATALOG_NAME => {
             format!("{text}: fix the database name in postgres.url")

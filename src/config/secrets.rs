@@ -2,19 +2,98 @@
 //! the URL in place of any password it had.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use super::{ConfigError, key_err};
+use super::{ConfigError, Secret, key_err};
 
 /// Puts the password read from `file` into `url` (percent-encoded), in place
 /// of any password the URL had: secrets can live in a file only root and the
 /// relay can read (e.g. a Kubernetes or systemd credential).
-///
-/// As libpq does with `.pgpass`: a file others may read or write draws a
-/// warning; the file holds the password alone, every byte of it (spaces
-/// too), and at most one line ending (`\n` or `\r\n`) after it.
-pub(super) fn with_password_file(url: &str, key: &str, file: &str) -> Result<String, ConfigError> {
-    let dir = std::env::var("CREDENTIALS_DIRECTORY").ok();
-    let file = &credential_path(key, file, dir.as_deref())?;
+#[cfg(test)]
+pub(super) fn with_password_file(
+    url: &str,
+    key: &'static str,
+    file: &str,
+) -> Result<String, ConfigError> {
+    PasswordFile::open(key, file)?.first(url)
+}
+
+/// How long after the first refused login in a row the relay keeps trying
+/// again with what a `password_file` holds: a rotation changes the server's
+/// password and the file at nearly the same time, in either order, and a
+/// Kubernetes secret reaches a pod's volume within about a minute and a
+/// half (the kubelet's sync period and cache).
+pub const ROTATION_GRACE: Duration = Duration::from_secs(300);
+
+/// A `password_file`, read at load and again at every connect.
+#[derive(Debug)]
+pub struct PasswordFile {
+    key: &'static str,
+    /// The file's path, the credentials directory resolved.
+    path: String,
+    /// The password read last that was well formed.
+    last: Mutex<String>,
+    /// When the server first refused the password, since it last took one.
+    refused_since: Mutex<Option<Instant>>,
+}
+
+impl PasswordFile {
+    /// Reads `file` (`key` is the setting naming it) once, so that a wrong
+    /// path or content fails the config's load.
+    pub(super) fn open(key: &'static str, file: &str) -> Result<Arc<PasswordFile>, ConfigError> {
+        let dir = std::env::var("CREDENTIALS_DIRECTORY").ok();
+        let path = credential_path(key, file, dir.as_deref())?;
+        let password = read_password(key, &path)?;
+        Ok(Arc::new(PasswordFile {
+            key,
+            path,
+            last: Mutex::new(password),
+            refused_since: Mutex::new(None),
+        }))
+    }
+
+    /// `url` with the password read at load, checked to take one.
+    pub(super) fn first(&self, url: &str) -> Result<String, ConfigError> {
+        put_password(url, self.key, &self.last.lock().expect("not poisoned"))
+    }
+
+    /// `url` with what the file holds now; if that cannot be read or is not
+    /// a password, the one read last (warned about, naming the setting).
+    pub(super) fn apply(&self, url: &str) -> String {
+        let mut last = self.last.lock().expect("not poisoned");
+        match read_password(self.key, &self.path) {
+            Ok(password) => *last = password,
+            Err(e) => tracing::warn!("{e}; connecting with the password read before"),
+        }
+        // The URL took a password at load: only its password changes.
+        put_password(url, self.key, &last).unwrap_or_else(|_| url.to_owned())
+    }
+
+    pub(super) fn refused(&self) -> bool {
+        self.refused_at(Instant::now())
+    }
+
+    /// A refusal at `now`: still within the grace of the first one.
+    pub(super) fn refused_at(&self, now: Instant) -> bool {
+        let mut since = self.refused_since.lock().expect("not poisoned");
+        now.saturating_duration_since(*since.get_or_insert(now)) < ROTATION_GRACE
+    }
+
+    pub(super) fn accepted(&self) {
+        *self.refused_since.lock().expect("not poisoned") = None;
+    }
+
+    pub(super) fn key(&self) -> &'static str {
+        self.key
+    }
+}
+
+/// The password `file` holds. As libpq does with `.pgpass`: a file others
+/// may read or write draws a warning; the file holds the password alone,
+/// every byte of it (spaces too), and at most one line ending (`\n` or
+/// `\r\n`) after it.
+fn read_password(key: &str, file: &str) -> Result<String, ConfigError> {
     let text = std::fs::read_to_string(file)
         .map_err(|e| key_err(key, format!("cannot read {file}: {e}")))?;
     if let Some(warning) = password_file_warning(key, Path::new(file)) {
@@ -33,6 +112,11 @@ pub(super) fn with_password_file(url: &str, key: &str, file: &str) -> Result<Str
             format!("{file} holds more than one line; it must hold only the password"),
         ));
     }
+    Ok(password.to_owned())
+}
+
+/// `url` with `password` (percent-encoded) in place of any it had.
+fn put_password(url: &str, key: &str, password: &str) -> Result<String, ConfigError> {
     let encoded: String =
         percent_encoding::utf8_percent_encode(password, percent_encoding::NON_ALPHANUMERIC)
             .collect();
@@ -99,4 +183,14 @@ pub(super) fn password_file_warning(key: &str, path: &Path) -> Option<String> {
             mode & 0o777
         )
     })
+}
+
+impl Secret {
+    /// `value`, whose password comes from `file` when there is one.
+    pub(super) fn with_file(value: String, file: Option<&Arc<PasswordFile>>) -> Secret {
+        Secret {
+            value,
+            file: file.map(Arc::clone),
+        }
+    }
 }

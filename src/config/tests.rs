@@ -1,7 +1,9 @@
 //! The configuration's unit tests: defaults, overrides, refusals, secrets.
 
 use super::*;
-use secrets::{credential_path, password_file_warning};
+use secrets::{
+    PasswordFile, ROTATION_GRACE, credential_path, password_file_warning, with_password_file,
+};
 use std::path::PathBuf;
 
 const MINIMAL: &str = r#"
@@ -587,4 +589,32 @@ fn require_auth_comes_from_the_config_or_the_url() {
     )
     .unwrap();
     assert!(c.postgres.require_auth.allows(AuthMethod::Md5));
+}
+
+/// A password file is read again at every connect; a bad read keeps the
+/// password read last; refusals are retried for `ROTATION_GRACE` after
+/// the first in a row, and a login the server took starts over.
+#[test]
+fn a_password_file_is_read_again_and_refusals_have_a_grace() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("pw");
+    std::fs::write(&f, "one\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let file = PasswordFile::open("rabbitmq.password_file", f.to_str().unwrap()).unwrap();
+    let url = "amqp://relay@mq:5672/%2f";
+    assert_eq!(file.first(url).unwrap(), "amqp://relay:one@mq:5672/%2f");
+    std::fs::write(&f, "two\n").unwrap();
+    assert_eq!(file.apply(url), "amqp://relay:two@mq:5672/%2f");
+    std::fs::write(&f, "").unwrap();
+    assert_eq!(file.apply(url), "amqp://relay:two@mq:5672/%2f");
+    std::fs::remove_file(&f).unwrap();
+    assert_eq!(file.apply(url), "amqp://relay:two@mq:5672/%2f");
+
+    let t0 = std::time::Instant::now();
+    assert!(file.refused_at(t0));
+    assert!(file.refused_at(t0 + ROTATION_GRACE - std::time::Duration::from_secs(1)));
+    assert!(!file.refused_at(t0 + ROTATION_GRACE));
+    file.accepted();
+    assert!(file.refused_at(t0 + ROTATION_GRACE * 2));
 }

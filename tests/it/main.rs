@@ -32,6 +32,7 @@ mod poison;
 mod prune;
 mod recover;
 mod relay_e2e;
+mod rotation;
 mod takeover;
 mod tls;
 mod unusual_tables;
