@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::pgurl::PgTarget;
@@ -87,6 +87,50 @@ fn key_err(key: &str, message: impl Into<String>) -> ConfigError {
         key: key.to_owned(),
         message: message.into(),
     }
+}
+
+/// The PostgreSQL client certificate: `postgres.cert_file` and `key_file`
+/// (`keys`), else `sslcert=` and `sslkey=` in the URL (`url`); both or
+/// neither, readable, the key the certificate's. Unlike libpq, there is no
+/// default file (`~/.postgresql/postgresql.crt`): a daemon's home is no
+/// place for its secrets.
+fn client_cert(
+    keys: (Option<String>, Option<String>),
+    url: (Option<String>, Option<String>),
+) -> Result<Option<crate::tls::ClientCert>, ConfigError> {
+    let (cert, key, names) = match keys {
+        (None, None) => (
+            url.0,
+            url.1,
+            ["sslcert= in postgres.url", "sslkey= in postgres.url"],
+        ),
+        (cert, key) => (cert, key, ["postgres.cert_file", "postgres.key_file"]),
+    };
+    let (cert_file, key_file) = match (cert, key) {
+        (None, None) => return Ok(None),
+        (Some(c), Some(k)) => (PathBuf::from(c), PathBuf::from(k)),
+        (Some(_), None) => {
+            return Err(key_err(
+                names[0],
+                format!("needs {} as well (its private key)", names[1]),
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(key_err(
+                names[1],
+                format!("needs {} as well (its certificate)", names[0]),
+            ));
+        }
+    };
+    if let Some(warning) = secrets::password_file_warning(names[1], &key_file) {
+        tracing::warn!("{warning}");
+    }
+    let cert = crate::tls::ClientCert {
+        cert_file,
+        key_file,
+    };
+    cert.check().map_err(|e| key_err(names[0], e))?;
+    Ok(Some(cert))
 }
 
 /// A value that must never be printed: passwords, and URLs that carry them.
@@ -274,6 +318,10 @@ impl RawConfig {
             })?),
             (None, None) => None,
         };
+        let client_cert = client_cert(
+            (non_empty(p.cert_file), non_empty(p.key_file)),
+            (url_tls.sslcert.clone(), url_tls.sslkey.clone()),
+        )?;
         let (sslmode, pg_ca_file) = postgres_trust(
             explicit_mode,
             non_empty(p.ca_file),
@@ -483,6 +531,7 @@ impl RawConfig {
                 on_slot_lost,
                 sslmode,
                 ca_file: pg_ca_file,
+                client_cert,
                 require_auth,
             },
             outboxes,

@@ -31,6 +31,10 @@ pub struct PgUrl {
     pub sslrootcert: Option<String>,
     /// `require_auth=`, percent-decoded.
     pub require_auth: Option<String>,
+    /// `sslcert=`, percent-decoded.
+    pub sslcert: Option<String>,
+    /// `sslkey=`, percent-decoded.
+    pub sslkey: Option<String>,
 }
 
 /// Where the query string of a `postgres://` URL starts, found as
@@ -46,7 +50,8 @@ fn query_start(url: &str) -> Option<usize> {
         .map(|q| after_scheme + host_start + q)
 }
 
-/// Splits `sslmode`, `sslrootcert` and `require_auth` out of the URL's query string.
+/// Splits `sslmode`, `sslrootcert`, `require_auth`, `sslcert` and `sslkey`
+/// out of the URL's query string.
 pub fn split_pg_url(url: &str) -> PgUrl {
     let Some(q) = query_start(url) else {
         return PgUrl {
@@ -54,10 +59,13 @@ pub fn split_pg_url(url: &str) -> PgUrl {
             sslmode: None,
             sslrootcert: None,
             require_auth: None,
+            sslcert: None,
+            sslkey: None,
         };
     };
     let (base, query) = (&url[..q], &url[q + 1..]);
     let (mut sslmode, mut sslrootcert, mut require_auth) = (None, None, None);
+    let (mut sslcert, mut sslkey) = (None, None);
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -65,6 +73,8 @@ pub fn split_pg_url(url: &str) -> PgUrl {
             "sslmode" => sslmode = Some(percent_decode(v)),
             "sslrootcert" => sslrootcert = Some(percent_decode(v)),
             "require_auth" => require_auth = Some(percent_decode(v)),
+            "sslcert" => sslcert = Some(percent_decode(v)),
+            "sslkey" => sslkey = Some(percent_decode(v)),
             _ => kept.push(pair),
         }
     }
@@ -78,6 +88,8 @@ pub fn split_pg_url(url: &str) -> PgUrl {
         sslmode,
         sslrootcert,
         require_auth,
+        sslcert,
+        sslkey,
     }
 }
 

@@ -147,8 +147,12 @@ impl SourceError {
                     // `Setup` in `start_replication`; what is left is the
                     // connection breaking during a handshake.
                     E::Tls(msg) => !TlsFailure::from_text(msg).is_permanent(),
+                    // Class 28 (a login the server refused: pg_hba.conf,
+                    // a client certificate) and 3D, as on the SQL side.
                     E::Server(msg) => {
-                        !(msg.contains("does not exist")
+                        !(msg.contains("(SQLSTATE 28")
+                            || msg.contains("(SQLSTATE 3D")
+                            || msg.contains("does not exist")
                             || msg.contains("permission denied")
                             || msg.contains("must be superuser or replication role"))
                     }
@@ -231,8 +235,17 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
         *pg.get_connect_timeout().expect("set") * pg.get_hosts().len() as u32
             + Duration::from_secs(5),
     );
-    let connector = tls::postgres_sql_tls(&mut pg, cfg.sslmode, cfg.ca_file.as_deref())
-        .map_err(|e| SourceError::Setup(format!("postgres.ca_file: {e}")))?;
+    let connector = tls::postgres_sql_tls(
+        &mut pg,
+        cfg.sslmode,
+        cfg.ca_file.as_deref(),
+        cfg.client_cert.as_ref(),
+    )
+    .map_err(|e| {
+        SourceError::Setup(format!(
+            "TLS for PostgreSQL (postgres.ca_file, postgres.cert_file, postgres.key_file): {e}"
+        ))
+    })?;
     let explain = |source: tokio_postgres::Error| {
         if source.code() == Some(&tokio_postgres::error::SqlState::INVALID_PASSWORD) {
             return password_refused(
@@ -498,9 +511,14 @@ async fn open_replication(
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = pg.get_dbname().unwrap_or(&user).to_owned();
-    let tls_config = tls::postgres_replication_tls_for(cfg.sslmode, cfg.ca_file.as_deref(), target)
-        .await
-        .map_err(SourceError::Setup)?;
+    let tls_config = tls::postgres_replication_tls_for(
+        cfg.sslmode,
+        cfg.ca_file.as_deref(),
+        target,
+        cfg.client_cert.as_ref(),
+    )
+    .await
+    .map_err(SourceError::Setup)?;
     // `hostaddr` when the URL gives one (the name is still what the
     // certificate is checked against).
     // pgoutput reads publication_names as a list of identifiers: quoted,
@@ -619,6 +637,28 @@ async fn open_replication(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A login the server refuses on the replication connection (no or a
+    /// wrong client certificate, pg_hba.conf) is the operator's, as on the
+    /// SQL connection; a connection lost in the handshake is not.
+    #[test]
+    fn a_refused_replication_login_is_not_retried() {
+        let e = |msg: &str| SourceError::Replication {
+            url: "postgres://relay@db/app".into(),
+            source: pgwire_replication::PgWireError::Server(msg.into()),
+        };
+        for refused in [
+            "connection requires a valid client certificate (SQLSTATE 28000)",
+            "password authentication failed for user \"relay\" (SQLSTATE 28P01)",
+            "database \"app\" does not exist (SQLSTATE 3D000)",
+        ] {
+            assert!(!e(refused).is_transient(), "{refused}");
+        }
+        assert!(
+            e("terminating connection due to administrator command (SQLSTATE 57P01)")
+                .is_transient()
+        );
+    }
 
     /// A slot dropped between the SQL check and START_REPLICATION is lost
     /// (recovered, or the stop names `recover`), not a failure without a

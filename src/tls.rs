@@ -180,7 +180,86 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn client_config(verify: Verify, ca_file: Option<&Path>) -> Result<ClientConfig, String> {
+/// A client certificate (its chain, PEM) and its private key (PEM: PKCS#8,
+/// PKCS#1 or SEC1), presented to a server that asks for one: PostgreSQL's
+/// `cert` authentication (`postgres.cert_file`/`key_file`, or `sslcert=`
+/// and `sslkey=` in the URL).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCert {
+    /// The certificate chain, the client's own first.
+    pub cert_file: PathBuf,
+    /// Its private key.
+    pub key_file: PathBuf,
+}
+
+impl ClientCert {
+    /// Reads both files; the message says what is wrong with which file
+    /// (the caller names the setting).
+    pub fn load(
+        &self,
+    ) -> Result<
+        (
+            Vec<CertificateDer<'static>>,
+            rustls::pki_types::PrivateKeyDer<'static>,
+        ),
+        String,
+    > {
+        let (cert, key) = (&self.cert_file, &self.key_file);
+        let pem =
+            std::fs::read(cert).map_err(|e| format!("cannot read {}: {e}", cert.display()))?;
+        let chain = CertificateDer::pem_slice_iter(&pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{} is not a PEM file: {e}", cert.display()))?;
+        if chain.is_empty() {
+            return Err(format!(
+                "{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                cert.display()
+            ));
+        }
+        let pem = std::fs::read(key).map_err(|e| format!("cannot read {}: {e}", key.display()))?;
+        let key_der = rustls::pki_types::PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
+            format!(
+                "{} holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}",
+                key.display()
+            )
+        })?;
+        Ok((chain, key_der))
+    }
+
+    /// Loads both and checks the key is the certificate's (as the
+    /// handshake would, at the first connect).
+    pub fn check(&self) -> Result<(), String> {
+        let builder = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(RootCertStore::empty());
+        with_client_cert(builder, Some(self)).map(drop)
+    }
+}
+
+/// `builder` finished with `client`'s certificate, or with none.
+fn with_client_cert(
+    builder: rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>,
+    client: Option<&ClientCert>,
+) -> Result<ClientConfig, String> {
+    let Some(client) = client else {
+        return Ok(builder.with_no_client_auth());
+    };
+    let (chain, key) = client.load()?;
+    builder.with_client_auth_cert(chain, key).map_err(|e| {
+        format!(
+            "{} and {} do not make a usable client certificate: {e}",
+            client.cert_file.display(),
+            client.key_file.display()
+        )
+    })
+}
+
+fn client_config(
+    verify: Verify,
+    ca_file: Option<&Path>,
+    client: Option<&ClientCert>,
+) -> Result<ClientConfig, String> {
     let provider = provider();
     let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
@@ -193,19 +272,15 @@ fn client_config(verify: Verify, ca_file: Option<&Path>) -> Result<ClientConfig,
         })
     };
     let config = match verify {
-        Verify::Full => builder
-            .with_root_certificates(root_store(ca()?)?)
-            .with_no_client_auth(),
+        Verify::Full => builder.with_root_certificates(root_store(ca()?)?),
         Verify::Chain => builder
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(chain_only(ca()?, provider)?))
-            .with_no_client_auth(),
+            .with_custom_certificate_verifier(Arc::new(chain_only(ca()?, provider)?)),
         Verify::Nothing => builder
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(NoVerification(provider)))
-            .with_no_client_auth(),
+            .with_custom_certificate_verifier(Arc::new(NoVerification(provider))),
     };
-    Ok(config)
+    with_client_cert(config, client)
 }
 
 fn chain_only(ca_file: &Path, provider: Arc<CryptoProvider>) -> Result<ChainOnly, String> {

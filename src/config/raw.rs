@@ -34,6 +34,10 @@ pub(super) struct RawPostgres {
     #[serde(default)]
     pub(super) ca_file: Option<String>,
     #[serde(default)]
+    pub(super) cert_file: Option<String>,
+    #[serde(default)]
+    pub(super) key_file: Option<String>,
+    #[serde(default)]
     pub(super) password_file: Option<String>,
     #[serde(default)]
     pub(super) on_slot_lost: Option<String>,

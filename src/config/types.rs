@@ -62,6 +62,10 @@ pub struct PostgresConfig {
     /// certificates are the only ones trusted; `None`: nothing is verified
     /// (only allowed with `disable`, `prefer` and `require`).
     pub ca_file: Option<PathBuf>,
+    /// The client certificate both connections present when the server
+    /// asks for one (`cert` authentication): `postgres.cert_file` and
+    /// `key_file`, else `sslcert=` and `sslkey=` in the URL.
+    pub client_cert: Option<crate::tls::ClientCert>,
     /// The authentication requests both connections answer:
     /// `postgres.require_auth` (or `require_auth=` in the URL), never a
     /// cleartext or MD5 password to a server nobody verified.

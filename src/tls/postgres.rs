@@ -1,6 +1,8 @@
 //! PostgreSQL TLS: the SQL connection's and the replication connection's, as libpq's `sslmode` says.
 
-use super::{ChainOnly, SslMode, Verify, chain_only, client_config, provider, verification};
+use super::{
+    ChainOnly, ClientCert, SslMode, Verify, chain_only, client_config, provider, verification,
+};
 use crate::pgurl::PgTarget;
 use rustls::DigitallySignedStruct;
 use rustls::SignatureScheme;
@@ -30,6 +32,7 @@ pub fn postgres_sql_tls(
     pg: &mut tokio_postgres::Config,
     mode: SslMode,
     ca_file: Option<&Path>,
+    client: Option<&ClientCert>,
 ) -> Result<tokio_postgres_rustls::MakeRustlsConnect, String> {
     use tokio_postgres::config::SslMode as Tp;
     let tp = match mode {
@@ -50,7 +53,7 @@ pub fn postgres_sql_tls(
         ca_file
     };
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(
-        client_config(verify, ca_file)?,
+        client_config(verify, ca_file, client)?,
     ))
 }
 
@@ -69,8 +72,15 @@ pub async fn postgres_replication_tls_for(
     mode: SslMode,
     ca_file: Option<&Path>,
     target: &PgTarget,
+    client: Option<&ClientCert>,
 ) -> Result<pgwire_replication::TlsConfig, String> {
-    let tls = postgres_replication_tls(mode, ca_file, target)?;
+    let mut tls = postgres_replication_tls(mode, ca_file, target)?;
+    if let Some(client) = client
+        && tls.mode != pgwire_replication::SslMode::Disable
+    {
+        tls.client_cert_pem_path = Some(client.cert_file.clone());
+        tls.client_key_pem_path = Some(client.key_file.clone());
+    }
     match (target, ca_file) {
         (PgTarget::Tcp { name, addr, port }, Some(ca))
             if tls.mode == pgwire_replication::SslMode::VerifyCa =>

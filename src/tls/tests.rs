@@ -66,7 +66,7 @@ fn what_each_mode_verifies() {
     for mode in [SslMode::VerifyCa, SslMode::VerifyFull] {
         let e = postgres_replication_tls(mode, None, &h).unwrap_err();
         assert!(e.contains("postgres.ca_file"), "{e}");
-        let e = client_config(verification(mode, false), None).unwrap_err();
+        let e = client_config(verification(mode, false), None, None).unwrap_err();
         assert!(e.contains("postgres.ca_file"), "{e}");
     }
 }

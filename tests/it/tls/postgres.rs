@@ -368,3 +368,79 @@ async fn hostaddr_reaches_the_same_server_on_both_connections() {
         assert!(!err.contains(RELAY_PASSWORD), "password leaked: {err}");
     }
 }
+
+/// A client certificate (`postgres.cert_file`/`key_file`, or `sslcert=`
+/// and `sslkey=` in the URL) logs both connections in where pg_hba.conf
+/// says `cert`; without one, or with another user's, both are refused for
+/// good, naming what to fix. A half-given pair or a key of another
+/// certificate is refused when the configuration is loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_logs_in_both_connections() {
+    let pki = Pki::new();
+    // The role the helpers watch (`relay`) logs in by certificate only.
+    let server = ScratchPg::start_with_client_certs(&pki, "relay");
+    let pg = server.prepare().await;
+    let ca = pki.ca().display().to_string();
+    let (cert, key) = pki.client("relay");
+    let (other_cert, other_key) = pki.client("intruder");
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let url = format!("postgres://relay@localhost:{}/postgres", server.port);
+    let cfg = published(&pg, &url).await;
+    let verified = format!("sslmode = \"verify-full\"\nca_file = \"{ca}\"\n");
+
+    let keys = format!("{verified}cert_file = \"{cert}\"\nkey_file = \"{key}\"");
+    assert_eq!(
+        both_connections(&cfg, &pg, url.clone(), keys).await,
+        Ok(true)
+    );
+    let in_url = format!(
+        "{url}?sslcert={}&sslkey={}",
+        cert.replace('/', "%2F"),
+        key.replace('/', "%2F")
+    );
+    assert_eq!(
+        both_connections(&cfg, &pg, in_url, verified.clone()).await,
+        Ok(true)
+    );
+    wait_no_relay_backends(&pg).await;
+
+    let other = format!(
+        "{verified}cert_file = \"{}\"\nkey_file = \"{}\"",
+        other_cert.display(),
+        other_key.display()
+    );
+    for (case, extra) in [
+        ("no certificate", verified.clone()),
+        ("another user's", other),
+    ] {
+        let (sql, repl) = both_connections(&cfg, &pg, url.clone(), extra)
+            .await
+            .unwrap_err();
+        for (what, e) in [("SQL", sql), ("replication", repl)] {
+            let (msg, transient) =
+                e.unwrap_or_else(|| panic!("{case}: {what} connection succeeded"));
+            assert!(msg.contains("certificate"), "{case}: {what}: {msg}");
+            assert!(!transient, "{case}: {what}: {msg}");
+        }
+    }
+
+    cfg.write(
+        &url,
+        &format!("{verified}cert_file = \"{cert}\""),
+        NO_BROKER,
+        "",
+    );
+    let e = cfg.load_with(&[]).unwrap_err();
+    assert!(e.contains("postgres.key_file"), "{e}");
+    cfg.write(
+        &url,
+        &format!(
+            "{verified}cert_file = \"{cert}\"\nkey_file = \"{}\"",
+            other_key.display()
+        ),
+        NO_BROKER,
+        "",
+    );
+    let e = cfg.load_with(&[]).unwrap_err();
+    assert!(e.contains("postgres.cert_file"), "{e}");
+}

@@ -31,6 +31,7 @@ pub fn refused_naming(cmd: &mut Command, key: &str) {
 /// 127.0.0.1, as ca.pem, server.pem and server.key.
 pub struct Pki {
     pub dir: tempfile::TempDir,
+    issuer: std::sync::Mutex<Option<rcgen::Issuer<'static, rcgen::KeyPair>>>,
 }
 
 impl Pki {
@@ -64,7 +65,33 @@ impl Pki {
         std::fs::write(dir.path().join("ca.pem"), ca_cert.pem()).unwrap();
         std::fs::write(dir.path().join("server.pem"), cert.pem()).unwrap();
         std::fs::write(dir.path().join("server.key"), key.serialize_pem()).unwrap();
-        Pki { dir }
+        Pki {
+            dir,
+            issuer: std::sync::Mutex::new(Some(issuer)),
+        }
+    }
+
+    /// A client certificate for user `cn` (its common name) that this CA
+    /// signed, as `client-<cn>.pem` and `client-<cn>.key` (mode 600).
+    pub fn client(&self, cn: &str) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+        use std::os::unix::fs::PermissionsExt;
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let issuer = self.issuer.lock().unwrap();
+        let cert = params
+            .signed_by(&key, issuer.as_ref().expect("made by Pki::new"))
+            .unwrap();
+        let (cert_file, key_file) = (
+            self.dir.path().join(format!("client-{cn}.pem")),
+            self.dir.path().join(format!("client-{cn}.key")),
+        );
+        std::fs::write(&cert_file, cert.pem()).unwrap();
+        std::fs::write(&key_file, key.serialize_pem()).unwrap();
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        (cert_file, key_file)
     }
 
     pub fn ca(&self) -> PathBuf {
@@ -94,14 +121,31 @@ impl ScratchPg {
 
     /// As [`ScratchPg::start`], listening on `listen` (`listen_addresses`).
     pub fn start_on(pki: Option<&Pki>, listen: &str) -> ScratchPg {
+        Self::start_custom(pki, listen, None)
+    }
+
+    /// As [`ScratchPg::start`] with the [`Pki`], where role `cert_user`
+    /// logs in with a client certificate the CA signed (pg_hba.conf
+    /// `cert`), on both kinds of connection, and with nothing else.
+    pub fn start_with_client_certs(pki: &Pki, cert_user: &str) -> ScratchPg {
+        Self::start_custom(Some(pki), "127.0.0.1,127.0.0.2", Some(cert_user))
+    }
+
+    fn start_custom(pki: Option<&Pki>, listen: &str, cert_user: Option<&str>) -> ScratchPg {
         let mut conf = format!(
             "listen_addresses = '{listen}'\nwal_level = logical\nmax_wal_senders = 10\n\
              max_replication_slots = 10\nsynchronous_commit = off\n"
         );
         let hba_type = if pki.is_some() { "hostssl" } else { "host" };
-        let hba = format!(
-            "local all all trust\nlocal replication all trust\n\
-             {hba_type} all all 127.0.0.0/8 scram-sha-256\n\
+        let mut hba = String::from("local all all trust\nlocal replication all trust\n");
+        if let Some(user) = cert_user {
+            hba += &format!(
+                "hostssl all {user} 127.0.0.0/8 cert\nhostssl replication {user} 127.0.0.0/8 cert\n"
+            );
+            conf += "ssl_ca_file = '../ca.pem'\n";
+        }
+        hba += &format!(
+            "{hba_type} all all 127.0.0.0/8 scram-sha-256\n\
              {hba_type} replication all 127.0.0.0/8 scram-sha-256\n"
         );
         // The certificate and key, readable by the server's user only.
@@ -112,7 +156,7 @@ impl ScratchPg {
         }
         let server = crate::common::ScratchPg::start_custom(&conf, Some(&hba), |dir| {
             if let Some(from) = certs {
-                for f in ["server.pem", "server.key"] {
+                for f in ["server.pem", "server.key", "ca.pem"] {
                     std::fs::copy(from.join(f), dir.join(f)).unwrap();
                 }
                 use std::os::unix::fs::PermissionsExt;
@@ -472,14 +516,25 @@ pub async fn both_connections_with(
         _ => Err((
             sql.as_ref()
                 .err()
-                .map(|e| (e.to_string(), e.is_transient())),
+                .map(|e| (with_sources(e), e.is_transient())),
             repl.as_ref()
                 .err()
-                .map(|e| (e.to_string(), e.is_transient())),
+                .map(|e| (with_sources(e), e.is_transient())),
         )),
     };
     drop(repl);
     drop(sql);
     wait_no_relay_backends(pg).await;
     result
+}
+
+/// `e` and its sources, as the relay prints an error it stops for.
+pub fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text = format!("{text}: {s}");
+        source = s.source();
+    }
+    text
 }
