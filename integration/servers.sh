@@ -356,7 +356,10 @@ EOF
 
 emit() { printf 'export %s=%q\n' "$1" "$2"; }
 
-# An AMQPS listener on PORT with the certificate in TLS_DIR (no client certificates).
+# An AMQPS listener on PORT with the certificate in TLS_DIR. A client may
+# present a certificate (verified against TLS_DIR/ca.pem) and, with SASL
+# EXTERNAL, log in as the user its common name names; without one it logs
+# in with a password as before.
 rabbitmq_tls() {
     local dir=$1 tls_dir=$2 port=$3
     cat >>"$dir/rabbitmq/rabbitmq.conf" <<EOF
@@ -364,9 +367,15 @@ listeners.ssl.default = 127.0.0.1:$port
 ssl_options.cacertfile = $tls_dir/ca.pem
 ssl_options.certfile = $tls_dir/server.pem
 ssl_options.keyfile = $tls_dir/server.key
-ssl_options.verify = verify_none
+ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = false
+auth_mechanisms.1 = PLAIN
+auth_mechanisms.2 = AMQPLAIN
+auth_mechanisms.3 = EXTERNAL
+ssl_cert_login_from = common_name
 EOF
+    echo '[rabbitmq_consistent_hash_exchange,rabbitmq_auth_mechanism_ssl].' \
+        >"$dir/rabbitmq/enabled_plugins"
 }
 
 # rabbitmqctl against our node (call inside a subshell that sourced rabbitmq.env).

@@ -89,23 +89,15 @@ fn key_err(key: &str, message: impl Into<String>) -> ConfigError {
     }
 }
 
-/// The PostgreSQL client certificate: `postgres.cert_file` and `key_file`
-/// (`keys`), else `sslcert=` and `sslkey=` in the URL (`url`); both or
-/// neither, readable, the key the certificate's. Unlike libpq, there is no
-/// default file (`~/.postgresql/postgresql.crt`): a daemon's home is no
-/// place for its secrets.
+/// A client certificate, `cert` and `key` (set by the settings `names`):
+/// both or neither, readable, the key the certificate's. Unlike libpq,
+/// there is no default file (`~/.postgresql/postgresql.crt`): a daemon's
+/// home is no place for its secrets.
 fn client_cert(
-    keys: (Option<String>, Option<String>),
-    url: (Option<String>, Option<String>),
+    names: [&str; 2],
+    cert: Option<String>,
+    key: Option<String>,
 ) -> Result<Option<crate::tls::ClientCert>, ConfigError> {
-    let (cert, key, names) = match keys {
-        (None, None) => (
-            url.0,
-            url.1,
-            ["sslcert= in postgres.url", "sslkey= in postgres.url"],
-        ),
-        (cert, key) => (cert, key, ["postgres.cert_file", "postgres.key_file"]),
-    };
     let (cert_file, key_file) = match (cert, key) {
         (None, None) => return Ok(None),
         (Some(c), Some(k)) => (PathBuf::from(c), PathBuf::from(k)),
@@ -318,10 +310,14 @@ impl RawConfig {
             })?),
             (None, None) => None,
         };
-        let client_cert = client_cert(
-            (non_empty(p.cert_file), non_empty(p.key_file)),
-            (url_tls.sslcert.clone(), url_tls.sslkey.clone()),
-        )?;
+        let pg_client_cert = match (non_empty(p.cert_file), non_empty(p.key_file)) {
+            (None, None) => client_cert(
+                ["sslcert= in postgres.url", "sslkey= in postgres.url"],
+                url_tls.sslcert.clone(),
+                url_tls.sslkey.clone(),
+            )?,
+            (cert, key) => client_cert(["postgres.cert_file", "postgres.key_file"], cert, key)?,
+        };
         let (sslmode, pg_ca_file) = postgres_trust(
             explicit_mode,
             non_empty(p.ca_file),
@@ -385,6 +381,36 @@ impl RawConfig {
                 .map_err(|_| key_err("rabbitmq.url", format!("is {NOT_A_URL}")))?;
         }
         let any_amqps = urls.iter().any(|u| u.starts_with("amqps://"));
+        let amqp_client_cert = client_cert(
+            ["rabbitmq.cert_file", "rabbitmq.key_file"],
+            non_empty(r.cert_file),
+            non_empty(r.key_file),
+        )?;
+        if amqp_client_cert.is_some() && !any_amqps {
+            return Err(key_err(
+                "rabbitmq.cert_file",
+                "a client certificate needs TLS: use amqps:// in rabbitmq.url",
+            ));
+        }
+        for url in &urls {
+            let external = crate::amqpurl::parse_amqp_url(url).is_ok_and(|u| {
+                u.query.auth_mechanism == Some(amq_protocol::uri::SASLMechanism::External)
+            });
+            if external && !url.starts_with("amqps://") {
+                return Err(key_err(
+                    "rabbitmq.url",
+                    "auth_mechanism=external logs in with the TLS client certificate: it needs \
+                     amqps://",
+                ));
+            }
+            if external && amqp_client_cert.is_none() {
+                return Err(key_err(
+                    "rabbitmq.cert_file",
+                    "rabbitmq.url asks for auth_mechanism=external, which logs in with a client \
+                     certificate: set rabbitmq.cert_file and rabbitmq.key_file",
+                ));
+            }
+        }
         // amqps:// trusts the configured CA alone (a private CA pins the
         // broker), else the system's CA bundle; never both.
         let amqp_ca_file = match non_empty(r.ca_file) {
@@ -531,7 +557,7 @@ impl RawConfig {
                 on_slot_lost,
                 sslmode,
                 ca_file: pg_ca_file,
-                client_cert,
+                client_cert: pg_client_cert,
                 require_auth,
             },
             outboxes,
@@ -554,6 +580,7 @@ impl RawConfig {
                 max_message_bytes: r.max_message_bytes as usize,
                 shutdown_grace: Duration::from_secs(r.shutdown_grace_secs),
                 ca_file: amqp_ca_file,
+                client_cert: amqp_client_cert,
             },
             http: HttpConfig { listen },
         })

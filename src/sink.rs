@@ -309,8 +309,12 @@ impl AmqpSink {
         // the system bundle), and trusted alone.
         let tls = match (&uri.scheme, cfg.ca_file.as_deref()) {
             (amq_protocol::uri::AMQPScheme::AMQPS, Some(roots)) => Some(
-                tls::rabbitmq_client_config(roots)
-                    .map_err(|e| SinkError::Tls(format!("rabbitmq.ca_file: {e}")))?,
+                tls::rabbitmq_client_config(roots, cfg.client_cert.as_ref()).map_err(|e| {
+                    SinkError::Tls(format!(
+                        "TLS for RabbitMQ (rabbitmq.ca_file, rabbitmq.cert_file, \
+                         rabbitmq.key_file): {e}"
+                    ))
+                })?,
             ),
             _ => None,
         };

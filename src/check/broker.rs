@@ -7,6 +7,7 @@ use crate::config::Config;
 use crate::config::shown_url;
 use crate::sink::wire::WireError;
 use crate::sink::{AmqpSink, SinkError};
+use amq_protocol::uri::SASLMechanism;
 
 /// What the broker check says about a failure to connect as `user` to
 /// `vhost`.
@@ -91,16 +92,36 @@ pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<A
         Ok(u) => u,
         Err(_) => return (Line::fail(what, crate::redact::NOT_A_URL), None),
     };
+    let external = uri.query.auth_mechanism == Some(SASLMechanism::External);
     let (user, vhost) = (uri.authority.userinfo.username, uri.vhost);
     let open = AmqpSink::open_node(&cfg.rabbitmq, node, "outbox-relay check");
     let failed = match tokio::time::timeout(CHECK_TIMEOUT, open).await {
         Ok(Ok(sink)) => {
-            let line = Line::ok(what, format!("logged in as {user}, vhost {vhost}"));
+            let who = if external {
+                "with the client certificate (SASL EXTERNAL)".to_owned()
+            } else {
+                format!("as {user}")
+            };
+            let line = Line::ok(what, format!("logged in {who}, vhost {vhost}"));
             return (line, Some(sink));
         }
         Ok(Err(e)) => e.without_rotation(),
         Err(_) => SinkError::Timeout("connecting to RabbitMQ"),
     };
+    if external
+        && let SinkError::Amqp {
+            source: WireError::ConnectionClosed { code: 403, text },
+            ..
+        } = &failed
+    {
+        let why = format!(
+            "the broker refused the client certificate ({text}): its common name (or what \
+             the broker's ssl_cert_login_from names) must be a broker user with access to vhost \
+             {vhost:?}, and the certificate signed by a CA in the broker's \
+             ssl_options.cacertfile (rabbitmq.cert_file)"
+        );
+        return (Line::fail(what, why), None);
+    }
     let password_key = cfg.rabbitmq.urls[node].password_key();
     let line = Line::fail(
         what,

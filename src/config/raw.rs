@@ -48,6 +48,10 @@ pub(super) struct RawPostgres {
 pub(super) struct RawRabbitmq {
     pub(super) url: RawUrls,
     #[serde(default)]
+    pub(super) cert_file: Option<String>,
+    #[serde(default)]
+    pub(super) key_file: Option<String>,
+    #[serde(default)]
     pub(super) shuffle: bool,
     #[serde(default)]
     pub(super) exchange: Option<String>,

@@ -132,6 +132,10 @@ pub struct RabbitmqConfig {
     /// The CAs `amqps://` trusts, and no others: `rabbitmq.ca_file`, else
     /// the system's CA bundle; `None` for `amqp://`.
     pub ca_file: Option<PathBuf>,
+    /// The client certificate `amqps://` presents when the broker asks:
+    /// `rabbitmq.cert_file` and `key_file` (with `auth_mechanism=external`
+    /// in the URL, it is also who logs in).
+    pub client_cert: Option<crate::tls::ClientCert>,
 }
 
 /// `[http]`.

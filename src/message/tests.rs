@@ -25,6 +25,7 @@ fn rabbit(exchange: &str, rk: &str) -> RabbitmqConfig {
         max_message_bytes: 1 << 20,
         shutdown_grace: Duration::from_secs(1),
         ca_file: None,
+        client_cert: None,
     }
 }
 

@@ -153,11 +153,26 @@ impl Fixture {
         self.slot_column(pg, "active_pid").await
     }
 
-    /// Drops the fixture's slot (it must not be active), as when it is lost.
+    /// Drops the fixture's slot, as when it is lost: once no walsender
+    /// holds it (a relay just killed leaves its walsender behind until the
+    /// server notices the connection is gone; seen on PostgreSQL 18).
     pub async fn drop_slot(&self, pg: &Client) {
-        pg.execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
-            .await
-            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match pg
+                .execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
+                .await
+            {
+                Ok(_) => return,
+                Err(e)
+                    if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE)
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("dropping slot {}: {e:?}", self.slot),
+            }
+        }
     }
 
     /// Waits until a walsender other than `not` streams the slot; returns its

@@ -205,3 +205,110 @@ async fn rabbitmq_ca_file_replaces_the_public_roots() {
     stop(relay, &log);
     drop(pg);
 }
+
+/// SASL EXTERNAL: `auth_mechanism=external` in an `amqps://` URL logs in
+/// as the user the client certificate (`rabbitmq.cert_file`/`key_file`)
+/// names, with no password anywhere; a certificate for a user the broker
+/// does not have is refused. Without the certificate, or over `amqp://`,
+/// the configuration is refused when loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_external_logs_in_with_the_client_certificate() {
+    let pki = Pki::new();
+    let rabbit = TlsRabbit::start(&pki);
+    rabbit.ctl(&["add_user", "relaycert", "unused-password"]);
+    rabbit.ctl(&["clear_password", "relaycert"]);
+    rabbit.ctl(&["set_permissions", "-p", "/", "relaycert", ".*", ".*", ".*"]);
+    let pg_server = ScratchPg::start(None);
+    let pg = pg_server.prepare().await;
+    let pg_url = pg_server.url("127.0.0.1", "");
+    let (_, node) = rabbit.var("TEST_AMQPS_URL").split_once('@').unwrap();
+    let external = format!(
+        "amqps://127.0.0.1:{}",
+        node.trim_start_matches("127.0.0.1:")
+    );
+    let external = format!("{external}?auth_mechanism=external");
+    let ca = pki.ca().display().to_string();
+    let (cert, key) = pki.client("relaycert");
+    let (stranger, stranger_key) = pki.client("stranger");
+    let with = |c: &std::path::Path, k: &std::path::Path| {
+        format!(
+            "ca_file = \"{ca}\"\ncert_file = \"{}\"\nkey_file = \"{}\"",
+            c.display(),
+            k.display()
+        )
+    };
+    let cfg = RelayConfig::new(&pg_url, "", &external, &with(&cert, &key));
+    let out = cfg.cmd("setup").output().unwrap();
+    assert!(out.status.success(), "setup: {}", stderr(&out));
+    let broker_line = |extra: &str| {
+        cfg.write(&pg_url, "", &external, extra);
+        let out = cfg.cmd("check").output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout
+            .lines()
+            .find(|l| l.contains("RabbitMQ reachable"))
+            .unwrap_or_else(|| panic!("no broker line in\n{stdout}{}", stderr(&out)))
+            .to_owned()
+    };
+    let line = broker_line(&with(&cert, &key));
+    assert!(
+        line.starts_with("ok ") && line.contains("client certificate"),
+        "{line}"
+    );
+    let line = broker_line(&with(&stranger, &stranger_key));
+    assert!(
+        line.starts_with("FAIL ") && line.contains("refused"),
+        "{line}"
+    );
+
+    // run: the broker sees user relaycert, logged in by EXTERNAL, over TLS.
+    let amqp = Connection::connect(rabbit.var("TEST_AMQP_URL"), ConnectionProperties::default())
+        .await
+        .unwrap();
+    common::declare_bound_on(&amqp, &cfg.exchange, None, "").await;
+    cfg.write(&pg_url, "", &external, &with(&cert, &key));
+    let (relay, log) = cfg.spawn();
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let conns = rabbit.ctl(&[
+            "list_connections",
+            "user",
+            "auth_mechanism",
+            "ssl",
+            "client_properties",
+        ]);
+        if let Some(l) = conns.lines().find(|l| l.contains("outbox-relay")) {
+            assert!(
+                l.starts_with("relaycert") && l.contains("EXTERNAL") && l.contains("true"),
+                "{l}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "the relay did not connect with its certificate; log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop(relay, &log);
+
+    // Refused at load: EXTERNAL without a certificate, a certificate
+    // without TLS.
+    cfg.write(&pg_url, "", &external, &format!("ca_file = \"{ca}\""));
+    let e = cfg.load_with(&[]).unwrap_err();
+    assert!(e.contains("rabbitmq.cert_file"), "{e}");
+    let plain = rabbit.var("TEST_AMQP_URL").to_owned();
+    let only_cert = format!(
+        "cert_file = \"{}\"\nkey_file = \"{}\"",
+        cert.display(),
+        key.display()
+    );
+    cfg.write(&pg_url, "", &plain, &only_cert);
+    let e = cfg.load_with(&[]).unwrap_err();
+    assert!(
+        e.contains("rabbitmq.cert_file") && e.contains("amqps://"),
+        "{e}"
+    );
+    drop(pg);
+}

@@ -26,19 +26,12 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 impl Wire {
-    /// Connects, authenticates (PLAIN), opens the vhost and the publishing
-    /// channel, and turns publisher confirms on. No deadline here: the
-    /// caller sets one.
+    /// Connects, authenticates (PLAIN, or EXTERNAL: the TLS client
+    /// certificate), opens the vhost and the publishing channel, and turns
+    /// publisher confirms on. No deadline here: the caller sets one.
     pub async fn connect(target: &Target) -> Result<Wire, WireError> {
         let uri = &target.uri;
-        if let Some(m) = uri.query.auth_mechanism
-            && m != SASLMechanism::Plain
-        {
-            return Err(WireError::Unsupported(format!(
-                "rabbitmq.url asks for the {} SASL mechanism; only PLAIN (user and password) is supported",
-                m.name()
-            )));
-        }
+        mechanism(uri)?;
         // An IPv6 literal comes in brackets (see `parse_amqp_url`).
         let host = uri.authority.host.as_str();
         let host = host
@@ -83,28 +76,40 @@ impl Wire {
             AMQPClass::Connection(connection::AMQPMethod::Start(s)) => s,
             other => return Err(unexpected("connection.start", &other)),
         };
+        let mechanism = mechanism(uri)?;
         if !start
             .mechanisms
             .to_string()
             .split(' ')
-            .any(|m| m == "PLAIN")
+            .any(|m| m == mechanism)
         {
+            let hint = if mechanism == "EXTERNAL" {
+                " (enable the rabbitmq_auth_mechanism_ssl plugin and list EXTERNAL in the \
+                 broker's auth_mechanisms)"
+            } else {
+                ""
+            };
             return Err(WireError::Unsupported(format!(
-                "the broker does not offer PLAIN authentication (it offers {})",
+                "the broker does not offer {mechanism} authentication (it offers {}){hint}",
                 start.mechanisms
             )));
         }
-        let user = &uri.authority.userinfo;
-        let mut response = Vec::with_capacity(user.username.len() + user.password.len() + 2);
-        response.push(0);
-        response.extend_from_slice(user.username.as_bytes());
-        response.push(0);
-        response.extend_from_slice(user.password.as_bytes());
+        // EXTERNAL: who the client is comes from its certificate; the
+        // response is empty (RabbitMQ's rabbit_auth_mechanism_ssl).
+        let mut response = Vec::new();
+        if mechanism == "PLAIN" {
+            let user = &uri.authority.userinfo;
+            response.reserve(user.username.len() + user.password.len() + 2);
+            response.push(0);
+            response.extend_from_slice(user.username.as_bytes());
+            response.push(0);
+            response.extend_from_slice(user.password.as_bytes());
+        }
         self.send_method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
                 client_properties: client_properties(&target.connection_name),
-                mechanism: "PLAIN".into(),
+                mechanism: mechanism.into(),
                 response: LongString::from(response),
                 locale: "en_US".into(),
             })),
@@ -366,6 +371,20 @@ pub(super) fn negotiate<N: Ord + Default + Copy>(ours: N, theirs: N) -> N {
     }
 }
 
+/// The SASL mechanism `rabbitmq.url` asks for (`auth_mechanism=`): PLAIN
+/// (the default), or EXTERNAL (the client certificate says who logs in).
+fn mechanism(uri: &amq_protocol::uri::AMQPUri) -> Result<&'static str, WireError> {
+    match uri.query.auth_mechanism.unwrap_or_default() {
+        SASLMechanism::Plain => Ok("PLAIN"),
+        SASLMechanism::External => Ok("EXTERNAL"),
+        m => Err(WireError::Unsupported(format!(
+            "rabbitmq.url asks for the {} SASL mechanism; only PLAIN (user and password) and \
+             EXTERNAL (a client certificate: rabbitmq.cert_file) are supported",
+            m.name()
+        ))),
+    }
+}
+
 /// What the management UI shows, and the capabilities the broker needs to
 /// know about: confirms, `basic.nack`, `connection.blocked`, and a
 /// `connection.close` (rather than a dropped socket) when login fails.
@@ -392,4 +411,26 @@ pub(super) fn client_properties(name: &str) -> FieldTable {
     props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
     props.insert("connection_name".into(), AMQPValue::LongString(name.into()));
     props
+}
+
+#[cfg(test)]
+mod mechanism_tests {
+    use super::mechanism;
+
+    /// PLAIN unless the URL asks for EXTERNAL; any other is refused,
+    /// naming the two there are.
+    #[test]
+    fn the_url_chooses_plain_or_external() {
+        let of = |url: &str| mechanism(&crate::amqpurl::parse_amqp_url(url).unwrap());
+        assert_eq!(of("amqps://mq/%2f").unwrap(), "PLAIN");
+        assert_eq!(of("amqps://mq/%2f?auth_mechanism=plain").unwrap(), "PLAIN");
+        assert_eq!(
+            of("amqps://mq/%2f?auth_mechanism=external").unwrap(),
+            "EXTERNAL"
+        );
+        let e = of("amqps://mq/%2f?auth_mechanism=amqplain")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("PLAIN") && e.contains("EXTERNAL"), "{e}");
+    }
 }

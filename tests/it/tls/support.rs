@@ -239,22 +239,26 @@ impl TlsRabbit {
 
     /// `rabbitmqctl list_connections client_properties ssl`.
     pub fn connections(&self) -> String {
+        self.ctl(&["list_connections", "client_properties", "ssl"])
+    }
+
+    /// `rabbitmqctl ARGS` against this node; its output.
+    pub fn ctl(&self, args: &[&str]) -> String {
         let out = Command::new("bash")
             .arg(concat!(
                 env!("CARGO_MANIFEST_DIR"),
                 "/integration/servers.sh"
             ))
-            .args([
-                "rabbitmq",
-                "ctl",
-                "list_connections",
-                "client_properties",
-                "ssl",
-            ])
+            .args(["rabbitmq", "ctl"])
+            .args(args)
             .env("OUTBOX_IT_DIR", &self.dir)
             .output()
             .unwrap();
-        assert!(out.status.success(), "list_connections: {}", stderr(&out));
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args:?}: {}",
+            stderr(&out)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
