@@ -28,7 +28,7 @@ use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
 use raw::{RawConfig, RawUrls};
 use secrets::PasswordFile;
-pub use secrets::ROTATION_GRACE;
+pub use secrets::{Login, ROTATION_GRACE};
 use trust::{check_ca_file, postgres_trust};
 pub use types::*;
 
@@ -117,10 +117,7 @@ fn client_cert(
     if let Some(warning) = secrets::password_file_warning(names[1], &key_file) {
         tracing::warn!("{warning}");
     }
-    let cert = crate::tls::ClientCert {
-        cert_file,
-        key_file,
-    };
+    let cert = crate::tls::ClientCert::new(cert_file, key_file);
     cert.check().map_err(|e| key_err(names[0], e))?;
     Ok(Some(cert))
 }
@@ -168,14 +165,14 @@ impl Secret {
     /// refused login): true when trying again may fix it, a password file
     /// being rotated, within [`ROTATION_GRACE`] of the first
     /// refusal in a row.
-    pub fn login_refused(&self) -> bool {
-        self.file.as_ref().is_some_and(|f| f.refused())
+    pub fn login_refused(&self, login: Login) -> bool {
+        self.file.as_ref().is_some_and(|f| f.refused(login))
     }
     /// The server accepted the password: a later refusal starts a new
     /// grace period.
-    pub fn login_accepted(&self) {
+    pub fn login_accepted(&self, login: Login) {
         if let Some(f) = &self.file {
-            f.accepted();
+            f.accepted(login);
         }
     }
     /// The setting the password comes from, for messages.

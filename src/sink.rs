@@ -23,7 +23,7 @@ pub use unconfirmed::Unconfirmed;
 use std::time::Duration;
 
 use crate::amqpurl::parse_amqp_url;
-use crate::config::{RabbitmqConfig, shown_url};
+use crate::config::{Login, RabbitmqConfig, shown_url};
 use crate::message::{Envelope, MessageView};
 use crate::redact::NOT_A_URL;
 use crate::tls::{self, TlsFailure};
@@ -107,8 +107,8 @@ pub enum SinkError {
     /// `ROTATION_GRACE` of the first refusal: a rotation may be under way,
     /// so the next connect reads the file again.
     #[error(
-        "{source}; {key} may be in the middle of a rotation: trying again with what it then \
-         holds, for up to {} minutes after the first refusal",
+        "{source}; {key} may be in the middle of a rotation: the relay tries again with what \
+         it then holds, for up to {} minutes after the first refusal",
         crate::config::ROTATION_GRACE.as_secs() / 60
     )]
     PasswordRotating {
@@ -334,7 +334,7 @@ impl AmqpSink {
                     if text.contains("Login was refused"));
                 let refusal = amqp(what, source);
                 return Err(match cfg.urls[node].password_key() {
-                    Some(key) if login_refused && cfg.urls[node].login_refused() => {
+                    Some(key) if login_refused && cfg.urls[node].login_refused(Login::Sql) => {
                         SinkError::PasswordRotating {
                             key,
                             source: Box::new(refusal),
@@ -345,7 +345,7 @@ impl AmqpSink {
             }
             Ok(Ok(wire)) => wire,
         };
-        cfg.urls[node].login_accepted();
+        cfg.urls[node].login_accepted(Login::Sql);
         Ok(AmqpSink { wire, url, node })
     }
 

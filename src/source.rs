@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
 
-use crate::config::{AuthMethod, PostgresConfig, quote_ident, shown_url};
+use crate::config::{AuthMethod, Login, PostgresConfig, quote_ident, shown_url};
 use crate::lsn::Lsn;
 use crate::pgurl::{PgTarget, split_pg_url};
 use crate::redact::NOT_A_URL;
@@ -115,8 +115,8 @@ pub enum SourceError {
     /// (the server's password and the file change in either order), so the
     /// next connect reads the file again.
     #[error(
-        "{source}; {key} may be in the middle of a rotation: trying again with what it then \
-         holds, for up to {} minutes after the first refusal",
+        "{source}; {key} may be in the middle of a rotation: the relay tries again with what \
+         it then holds, for up to {} minutes after the first refusal",
         crate::config::ROTATION_GRACE.as_secs() / 60
     )]
     PasswordRotating {
@@ -243,13 +243,15 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     )
     .map_err(|e| {
         SourceError::Setup(format!(
-            "TLS for PostgreSQL (postgres.ca_file, postgres.cert_file, postgres.key_file): {e}"
+            "TLS for PostgreSQL (postgres.ca_file, cert_file, key_file, or sslrootcert=, \
+             sslcert=, sslkey= in postgres.url): {e}"
         ))
     })?;
     let explain = |source: tokio_postgres::Error| {
         if source.code() == Some(&tokio_postgres::error::SqlState::INVALID_PASSWORD) {
             return password_refused(
                 cfg,
+                Login::Sql,
                 SourceError::Sql {
                     what: "connecting to PostgreSQL".into(),
                     url: shown_url(url),
@@ -357,7 +359,7 @@ async fn connect_guarded(
                 continue;
             }
         }
-        cfg.url.login_accepted();
+        cfg.url.login_accepted(Login::Sql);
         return Ok(client);
     }
     Err(failed.expect("postgres.url names at least one server"))
@@ -467,9 +469,9 @@ pub async fn start_replication(
 /// `refusal`, the server's refusal of the password, retried as
 /// [`SourceError::PasswordRotating`] when the password comes from a file
 /// that may be being rotated.
-fn password_refused(cfg: &PostgresConfig, refusal: SourceError) -> SourceError {
+fn password_refused(cfg: &PostgresConfig, login: Login, refusal: SourceError) -> SourceError {
     match cfg.url.password_key() {
-        Some(key) if cfg.url.login_refused() => SourceError::PasswordRotating {
+        Some(key) if cfg.url.login_refused(login) => SourceError::PasswordRotating {
             key,
             source: Box::new(refusal),
         },
@@ -511,6 +513,21 @@ async fn open_replication(
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = pg.get_dbname().unwrap_or(&user).to_owned();
+    // pgwire-replication reads the client certificate's files itself: a
+    // pair that cannot be used right now (replaced one file after the
+    // other, read in between) is tried again, not a refusal for good.
+    if let (Some(client), PgTarget::Tcp { .. }) = (&cfg.client_cert, target)
+        && cfg.sslmode != tls::SslMode::Disable
+        && let Err(e) = client.fresh()
+    {
+        return Err(SourceError::Connect {
+            server: target.to_string(),
+            source: std::io::Error::other(format!(
+                "postgres.cert_file/key_file (or sslcert=/sslkey= in postgres.url): {e}; \
+                 trying again (a certificate being replaced?)"
+            )),
+        });
+    }
     let tls_config = tls::postgres_replication_tls_for(
         cfg.sslmode,
         cfg.ca_file.as_deref(),
@@ -581,7 +598,7 @@ async fn open_replication(
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
         Ok(Ok(r)) => {
-            cfg.url.login_accepted();
+            cfg.url.login_accepted(Login::Replication);
             r
         }
         Ok(Err(source)) => Err(match &source {
@@ -590,6 +607,7 @@ async fn open_replication(
             pgwire_replication::PgWireError::Server(msg) if msg.ends_with("(SQLSTATE 28P01)") => {
                 password_refused(
                     cfg,
+                    Login::Replication,
                     SourceError::Setup(format!(
                         "replication connection to {target}: {msg}: fix the password (postgres.url, \
                          OUTBOX_RELAY_POSTGRES_URL or postgres.password_file)"
@@ -650,7 +668,9 @@ mod tests {
         for refused in [
             "connection requires a valid client certificate (SQLSTATE 28000)",
             "password authentication failed for user \"relay\" (SQLSTATE 28P01)",
-            "database \"app\" does not exist (SQLSTATE 3D000)",
+            // Not English (lc_messages): the code alone says it.
+            "la base de données « app » n'existe pas (SQLSTATE 3D000)",
+            "authentification par mot de passe échouée (SQLSTATE 28P01)",
         ] {
             assert!(!e(refused).is_transient(), "{refused}");
         }

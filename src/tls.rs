@@ -184,15 +184,50 @@ fn provider() -> Arc<CryptoProvider> {
 /// PKCS#1 or SEC1), presented to a server that asks for one: PostgreSQL's
 /// `cert` authentication (`postgres.cert_file`/`key_file`, or `sslcert=`
 /// and `sslkey=` in the URL).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct ClientCert {
     /// The certificate chain, the client's own first.
     pub cert_file: PathBuf,
     /// Its private key.
     pub key_file: PathBuf,
+    /// The pair read last that made a usable certificate: used when the
+    /// files cannot be (a certificate and its key replaced one after the
+    /// other, read in between).
+    last_good: Arc<std::sync::Mutex<Option<CertAndKey>>>,
+}
+
+/// A certificate chain and its private key.
+pub type CertAndKey = (
+    Vec<CertificateDer<'static>>,
+    rustls::pki_types::PrivateKeyDer<'static>,
+);
+
+impl PartialEq for ClientCert {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.cert_file, &self.key_file) == (&other.cert_file, &other.key_file)
+    }
+}
+impl Eq for ClientCert {}
+
+impl fmt::Debug for ClientCert {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientCert")
+            .field("cert_file", &self.cert_file)
+            .field("key_file", &self.key_file)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ClientCert {
+    /// The pair of files (nothing read yet).
+    pub fn new(cert_file: PathBuf, key_file: PathBuf) -> ClientCert {
+        ClientCert {
+            cert_file,
+            key_file,
+            last_good: Arc::default(),
+        }
+    }
+
     /// Reads both files; the message says what is wrong with which file
     /// (the caller names the setting).
     pub fn load(
@@ -226,6 +261,27 @@ impl ClientCert {
         Ok((chain, key_der))
     }
 
+    /// What the files hold now, checked to be a usable pair (the key the
+    /// certificate's).
+    pub fn fresh(&self) -> Result<CertAndKey, String> {
+        let (chain, key) = self.load()?;
+        // Checked on a throwaway builder, so that a failure leaves the
+        // caller's for the pair read before.
+        ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(RootCertStore::empty())
+            .with_client_auth_cert(chain.clone(), key.clone_key())
+            .map_err(|e| {
+                format!(
+                    "{} and {} do not make a usable client certificate: {e}",
+                    self.cert_file.display(),
+                    self.key_file.display()
+                )
+            })?;
+        Ok((chain, key))
+    }
+
     /// Loads both and checks the key is the certificate's (as the
     /// handshake would, at the first connect).
     pub fn check(&self) -> Result<(), String> {
@@ -245,14 +301,24 @@ fn with_client_cert(
     let Some(client) = client else {
         return Ok(builder.with_no_client_auth());
     };
-    let (chain, key) = client.load()?;
-    builder.with_client_auth_cert(chain, key).map_err(|e| {
-        format!(
-            "{} and {} do not make a usable client certificate: {e}",
-            client.cert_file.display(),
-            client.key_file.display()
-        )
-    })
+    let fresh = client.fresh();
+    let mut last = client.last_good.lock().expect("not poisoned");
+    let (chain, key) = match fresh {
+        Ok(pair) => {
+            *last = Some((pair.0.clone(), pair.1.clone_key()));
+            pair
+        }
+        Err(e) => match last.as_ref() {
+            Some((chain, key)) => {
+                tracing::warn!("{e}; presenting the client certificate read before");
+                (chain.clone(), key.clone_key())
+            }
+            None => return Err(e),
+        },
+    };
+    builder
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| format!("the client certificate: {e}"))
 }
 
 fn client_config(

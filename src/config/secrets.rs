@@ -26,16 +26,39 @@ pub(super) fn with_password_file(
 /// half (the kubelet's sync period and cache).
 pub const ROTATION_GRACE: Duration = Duration::from_secs(300);
 
+/// Which login a refusal or an acceptance is about: each has its own
+/// grace, so that a login that always succeeds (PostgreSQL's SQL
+/// connection) cannot keep renewing the grace of one that is always
+/// refused (a replication line of pg_hba.conf with another method).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Login {
+    /// PostgreSQL's SQL connection, or the broker's.
+    Sql,
+    /// PostgreSQL's replication connection.
+    Replication,
+}
+
 /// A `password_file`, read at load and again at every connect.
-#[derive(Debug)]
 pub struct PasswordFile {
     key: &'static str,
     /// The file's path, the credentials directory resolved.
     path: String,
     /// The password read last that was well formed.
     last: Mutex<String>,
-    /// When the server first refused the password, since it last took one.
-    refused_since: Mutex<Option<Instant>>,
+    /// When the server first refused the password, since it last took
+    /// one, for each [`Login`].
+    refused_since: Mutex<[Option<Instant>; 2]>,
+    /// The file's mode was warned about (once is enough).
+    warned: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for PasswordFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PasswordFile")
+            .field("key", &self.key)
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
 }
 
 impl PasswordFile {
@@ -44,12 +67,13 @@ impl PasswordFile {
     pub(super) fn open(key: &'static str, file: &str) -> Result<Arc<PasswordFile>, ConfigError> {
         let dir = std::env::var("CREDENTIALS_DIRECTORY").ok();
         let path = credential_path(key, file, dir.as_deref())?;
-        let password = read_password(key, &path)?;
+        let password = read_password(key, &path, true)?;
         Ok(Arc::new(PasswordFile {
             key,
             path,
             last: Mutex::new(password),
-            refused_since: Mutex::new(None),
+            refused_since: Mutex::new([None; 2]),
+            warned: std::sync::atomic::AtomicBool::new(true),
         }))
     }
 
@@ -62,7 +86,8 @@ impl PasswordFile {
     /// a password, the one read last (warned about, naming the setting).
     pub(super) fn apply(&self, url: &str) -> String {
         let mut last = self.last.lock().expect("not poisoned");
-        match read_password(self.key, &self.path) {
+        let warn = !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed);
+        match read_password(self.key, &self.path, warn) {
             Ok(password) => *last = password,
             Err(e) => tracing::warn!("{e}; connecting with the password read before"),
         }
@@ -70,18 +95,19 @@ impl PasswordFile {
         put_password(url, self.key, &last).unwrap_or_else(|_| url.to_owned())
     }
 
-    pub(super) fn refused(&self) -> bool {
-        self.refused_at(Instant::now())
+    pub(super) fn refused(&self, login: Login) -> bool {
+        self.refused_at(login, Instant::now())
     }
 
     /// A refusal at `now`: still within the grace of the first one.
-    pub(super) fn refused_at(&self, now: Instant) -> bool {
+    pub(super) fn refused_at(&self, login: Login, now: Instant) -> bool {
         let mut since = self.refused_since.lock().expect("not poisoned");
-        now.saturating_duration_since(*since.get_or_insert(now)) < ROTATION_GRACE
+        let first = *since[login as usize].get_or_insert(now);
+        now.saturating_duration_since(first) < ROTATION_GRACE
     }
 
-    pub(super) fn accepted(&self) {
-        *self.refused_since.lock().expect("not poisoned") = None;
+    pub(super) fn accepted(&self, login: Login) {
+        self.refused_since.lock().expect("not poisoned")[login as usize] = None;
     }
 
     pub(super) fn key(&self) -> &'static str {
@@ -93,10 +119,13 @@ impl PasswordFile {
 /// may read or write draws a warning; the file holds the password alone,
 /// every byte of it (spaces too), and at most one line ending (`\n` or
 /// `\r\n`) after it.
-fn read_password(key: &str, file: &str) -> Result<String, ConfigError> {
+fn read_password(key: &str, file: &str, warn: bool) -> Result<String, ConfigError> {
     let text = std::fs::read_to_string(file)
         .map_err(|e| key_err(key, format!("cannot read {file}: {e}")))?;
-    if let Some(warning) = password_file_warning(key, Path::new(file)) {
+    if let Some(warning) = warn
+        .then(|| password_file_warning(key, Path::new(file)))
+        .flatten()
+    {
         tracing::warn!("{warning}");
     }
     let password = match text.strip_suffix('\n') {

@@ -612,9 +612,16 @@ fn a_password_file_is_read_again_and_refusals_have_a_grace() {
     assert_eq!(file.apply(url), "amqp://relay:two@mq:5672/%2f");
 
     let t0 = std::time::Instant::now();
-    assert!(file.refused_at(t0));
-    assert!(file.refused_at(t0 + ROTATION_GRACE - std::time::Duration::from_secs(1)));
-    assert!(!file.refused_at(t0 + ROTATION_GRACE));
-    file.accepted();
-    assert!(file.refused_at(t0 + ROTATION_GRACE * 2));
+    let (sql, repl) = (Login::Sql, Login::Replication);
+    assert!(file.refused_at(repl, t0));
+    assert!(file.refused_at(
+        repl,
+        t0 + ROTATION_GRACE - std::time::Duration::from_secs(1)
+    ));
+    // The SQL login succeeding does not renew the replication's grace.
+    file.accepted(sql);
+    assert!(!file.refused_at(repl, t0 + ROTATION_GRACE));
+    assert!(file.refused_at(sql, t0 + ROTATION_GRACE));
+    file.accepted(repl);
+    assert!(file.refused_at(repl, t0 + ROTATION_GRACE * 2));
 }

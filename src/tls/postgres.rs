@@ -42,6 +42,8 @@ pub fn postgres_sql_tls(
         SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => Tp::Require,
     };
     pg.ssl_mode(tp);
+    // Without TLS there is nobody to present a certificate to.
+    let client = client.filter(|_| tp != Tp::Disable);
     let verify = if tp == Tp::Disable {
         Verify::Nothing
     } else {

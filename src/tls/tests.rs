@@ -112,3 +112,38 @@ fn bad_ca_files_are_explained() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A client certificate is read again at every connect; a pair that cannot
+/// be used right then (a key replaced after its certificate, read in
+/// between) falls back to the pair read before, and only a first read
+/// fails.
+#[test]
+fn a_client_certificate_falls_back_to_the_pair_read_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["relay".to_owned()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let (c, k) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+    std::fs::write(&c, cert.pem()).unwrap();
+    std::fs::write(&k, key.serialize_pem()).unwrap();
+    let client = ClientCert::new(c.clone(), k.clone());
+    client.check().unwrap();
+    let builder = || {
+        ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(RootCertStore::empty())
+    };
+    // Another key, not the certificate's: fresh reads fail, connects
+    // present the pair read before.
+    std::fs::write(&k, rcgen::KeyPair::generate().unwrap().serialize_pem()).unwrap();
+    assert!(client.fresh().is_err());
+    let config = with_client_cert(builder(), Some(&client)).unwrap();
+    assert!(config.client_auth_cert_resolver.has_certs());
+    // Never read well: an error naming the files.
+    let never = ClientCert::new(c.clone(), k.clone());
+    let e = with_client_cert(builder(), Some(&never)).unwrap_err();
+    assert!(e.contains("k.pem") && e.contains("usable"), "{e}");
+}
