@@ -244,6 +244,19 @@ pub async fn setup(cfg: &Config) -> Result<(), SourceError> {
         cfg.postgres.slot,
         said(report.created_slot)
     );
+    if report.made_failover {
+        println!(
+            "replication slot {}: made a failover slot (a standby with sync_replication_slots \
+             = on keeps it through a promotion)",
+            cfg.postgres.slot
+        );
+    }
+    if let Some(why) = &report.not_failover {
+        println!(
+            "replication slot {}: not a failover slot, {why}",
+            cfg.postgres.slot
+        );
+    }
     Ok(())
 }
 

@@ -450,7 +450,7 @@ pub async fn start_replication(
     // between servers).
     let mut failed: Option<SourceError> = None;
     for target in &cfg.targets {
-        let opened = open_replication(cfg, target, start, server, limits);
+        let opened = open_replication(cfg, target, start, server, limits, true);
         match opened.await {
             Ok(client) => return Ok(client),
             Err(e) => {
@@ -462,6 +462,44 @@ pub async fn start_replication(
                 }
             }
         }
+    }
+    Err(failed.expect("postgres.url names at least one server"))
+}
+
+/// Makes the slot a failover slot (`ALTER_REPLICATION_SLOT … (FAILOVER
+/// true)`, PostgreSQL 17+), over a replication connection to the first
+/// server of `postgres.url` that takes one (the primary, with
+/// `target_session_attrs=read-write`): the only way to change an existing
+/// slot. The server refuses it for a slot in use.
+pub async fn make_failover_slot(cfg: &PostgresConfig) -> Result<(), SourceError> {
+    let limits = StreamLimits {
+        buffer_events: 1,
+        silence_limit: Duration::from_secs(60),
+    };
+    let mut failed: Option<SourceError> = None;
+    for target in &cfg.targets {
+        let mut client = match open_replication(cfg, target, Lsn(0), None, limits, false).await {
+            Ok(c) => c,
+            Err(e) => {
+                if failed.as_ref().is_none_or(SourceError::is_transient) {
+                    failed = Some(e);
+                }
+                continue;
+            }
+        };
+        let altered = client
+            .simple_query(&format!(
+                "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+                quote_ident(&cfg.slot)
+            ))
+            .await;
+        client.abort();
+        return altered
+            .map(drop)
+            .map_err(|source| SourceError::Replication {
+                url: shown_url(cfg.url.expose()),
+                source,
+            });
     }
     Err(failed.expect("postgres.url names at least one server"))
 }
@@ -500,6 +538,7 @@ async fn open_replication(
         buffer_events,
         silence_limit,
     }: StreamLimits,
+    stream: bool,
 ) -> Result<ReplicationClient, SourceError> {
     let secret = cfg.url.current();
     let url = secret.expose();
@@ -592,8 +631,10 @@ async fn open_replication(
                 return Ok(Err(SourceError::Moved(format!("{target}, a standby"))));
             }
         }
-        client.start().await?;
-        client.wait_started().await?;
+        if stream {
+            client.start().await?;
+            client.wait_started().await?;
+        }
         Ok::<_, pgwire_replication::PgWireError>(Ok(client))
     };
     match tokio::time::timeout(CONNECT_TIMEOUT, open).await {

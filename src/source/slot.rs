@@ -257,8 +257,9 @@ pub fn failover_note(
         ),
         _ => (
             false,
-            "not a failover slot (made before PostgreSQL 17, or by hand): recreate it with \
-             `outbox-relay setup` after dropping it, or it is lost at a failover"
+            "not a failover slot (made before PostgreSQL 17, or by hand): with the relay \
+             stopped, `outbox-relay setup` makes it one in place; else it is lost at a \
+             failover"
                 .into(),
         ),
     }
@@ -403,6 +404,11 @@ pub struct SetupReport {
     pub created_slot: bool,
     /// Outbox tables added to an existing publication now.
     pub added_tables: Vec<String>,
+    /// An existing slot made a failover slot now (PostgreSQL 17+).
+    pub made_failover: bool,
+    /// An existing slot that is not a failover slot and could not be
+    /// made one now: why (in use by a walsender).
+    pub not_failover: Option<String>,
 }
 
 /// Creates the publication and the slot when missing; checks them when present.
@@ -534,7 +540,35 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
                 info.plugin.unwrap_or_default()
             )));
         }
-        Some(_) => {}
+        Some(info) => {
+            // Made before PostgreSQL 17 (an upgrade), or by hand: a failover
+            // slot in place, rather than one dropped and made again (which
+            // would skip what was committed meanwhile).
+            let failover: Option<bool> = client
+                .query_one(
+                    "SELECT CASE WHEN current_setting('server_version_num')::int >= 170000 \
+                     THEN (to_jsonb(s) ->> 'failover')::bool END \
+                     FROM pg_replication_slots s WHERE slot_name = $1",
+                    &[&pg.slot],
+                )
+                .await
+                .map_err(sql_err(pg, "reading whether the slot is a failover slot"))?
+                .get(0);
+            if failover == Some(false) {
+                match info.active_pid {
+                    None => {
+                        super::make_failover_slot(pg).await?;
+                        report.made_failover = true;
+                    }
+                    Some(pid) => {
+                        report.not_failover = Some(format!(
+                            "in use by PID {pid} (a relay?): stop it and run setup again to make \
+                             it a failover slot"
+                        ));
+                    }
+                }
+            }
+        }
     }
     Ok(report)
 }

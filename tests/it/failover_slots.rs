@@ -208,3 +208,62 @@ async fn a_promoted_standby_streams_on_from_the_synchronized_slot() {
     fx.cleanup().await;
     harness_async(ctl("down")).await;
 }
+
+/// A slot that is not a failover slot (made on 16 and upgraded, or by
+/// hand) is made one in place by `setup` (ALTER_REPLICATION_SLOT), keeping
+/// its position: an event written meanwhile still arrives. While a relay
+/// streams from it, `setup` leaves it and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_makes_an_existing_slot_a_failover_slot_in_place() {
+    let major = server_major().await;
+    if major < 17 {
+        eprintln!("PostgreSQL {major} has no failover slots");
+        return;
+    }
+    let mut fx = Fixture::new("tofailover").await;
+    let pg = pg_connect().await;
+    let is_failover = async |pg: &tokio_postgres::Client, slot: &str| -> bool {
+        pg.query_one(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    };
+    fx.drop_slot(&pg).await;
+    pg.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&fx.slot],
+    )
+    .await
+    .unwrap();
+    assert!(!is_failover(&pg, &fx.slot).await);
+
+    fx.start_consumer().await;
+    let relay = fx.spawn_relay();
+    fx.wait_slot_active(None, Duration::from_secs(30))
+        .await
+        .expect("the relay streams");
+    let said = fx.relay_ok("setup", &[]);
+    assert!(said.contains("not a failover slot, in use"), "{said}");
+    assert!(!is_failover(&pg, &fx.slot).await);
+    relay.stop_ok();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while fx.slot_active_pid(&pg).await.is_some() {
+        assert!(Instant::now() < deadline, "the walsender stayed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let meanwhile = fx
+        .insert(&pg, "order", "a", "placed", &serde_json::json!({}))
+        .await;
+    let said = fx.relay_ok("setup", &[]);
+    assert!(said.contains("made a failover slot"), "{said}");
+    assert!(is_failover(&pg, &fx.slot).await);
+    let relay = fx.spawn_relay();
+    fx.expect_delivered(std::slice::from_ref(&meanwhile), &relay)
+        .await;
+    relay.stop_ok();
+    fx.cleanup().await;
+}
