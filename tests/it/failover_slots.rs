@@ -83,6 +83,21 @@ async fn a_promoted_standby_streams_on_from_the_synchronized_slot() {
         failover,
         "setup on PostgreSQL {major} made a slot without failover"
     );
+    // Before the primary guards the standby's slot: check says so, read
+    // from both servers.
+    let out = fx.relay_cmd("check").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    let standby = said
+        .lines()
+        .find(|l| {
+            l.split_once(' ')
+                .is_some_and(|(_, what)| what.starts_with("standby "))
+        })
+        .unwrap_or_else(|| panic!("check names no standby:\n{said}"));
+    assert!(
+        standby.starts_with("warn ") && standby.contains("synchronized_standby_slots"),
+        "{standby}"
+    );
     // One statement each: ALTER SYSTEM refuses a multi-statement string
     // (an implicit transaction block).
     for sql in [
@@ -129,6 +144,20 @@ async fn a_promoted_standby_streams_on_from_the_synchronized_slot() {
     // The standby's copy of the slot is ready to take over.
     harness_async(ctl(&format!("synced {}", fx.slot))).await;
     harness_async(ctl("catchup")).await;
+    // `check` reads the standby's own settings and its copy of the slot.
+    let out = fx.relay_cmd("check").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    let standby = said
+        .lines()
+        .find(|l| {
+            l.split_once(' ')
+                .is_some_and(|(_, what)| what.starts_with("standby "))
+        })
+        .unwrap_or_else(|| panic!("check names no standby:\n{said}"));
+    assert!(
+        standby.starts_with("ok ") && standby.contains("ready for a promotion"),
+        "{standby}"
+    );
 
     let before = log_lines(&relays, "streaming from LSN").len();
     let t0 = Instant::now();
