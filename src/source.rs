@@ -472,6 +472,7 @@ pub async fn start_replication(
 /// `target_session_attrs=read-write`): the only way to change an existing
 /// slot. The server refuses it for a slot in use.
 pub async fn make_failover_slot(cfg: &PostgresConfig) -> Result<(), SourceError> {
+    const ALTER_TIMEOUT: Duration = Duration::from_secs(10);
     let limits = StreamLimits {
         buffer_events: 1,
         silence_limit: Duration::from_secs(60),
@@ -487,19 +488,31 @@ pub async fn make_failover_slot(cfg: &PostgresConfig) -> Result<(), SourceError>
                 continue;
             }
         };
-        let altered = client
-            .simple_query(&format!(
+        // The server waits for a slot in use to be freed (no error, no
+        // statement_timeout for replication commands): a relay that took
+        // the slot since it was looked at would hold this up for as long
+        // as it streams.
+        let altered = tokio::time::timeout(
+            ALTER_TIMEOUT,
+            client.simple_query(&format!(
                 "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
                 quote_ident(&cfg.slot)
-            ))
-            .await;
+            )),
+        )
+        .await;
         client.abort();
-        return altered
-            .map(drop)
-            .map_err(|source| SourceError::Replication {
-                url: shown_url(cfg.url.expose()),
-                source,
-            });
+        return match altered {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(source)) => Err(SourceError::Setup(format!(
+                "making replication slot {:?} a failover slot (ALTER_REPLICATION_SLOT): {source}",
+                cfg.slot
+            ))),
+            Err(_) => Err(SourceError::Timeout(format!(
+                "making replication slot {:?} a failover slot (in use: a relay took it \
+                 meanwhile? it may still become one once freed)",
+                cfg.slot
+            ))),
+        };
     }
     Err(failed.expect("postgres.url names at least one server"))
 }

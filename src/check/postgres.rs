@@ -436,124 +436,151 @@ pub(super) async fn replication_slot(
     Ok(lines)
 }
 
-/// `check`'s word on PostgreSQL 18's `idle_replication_slot_timeout` of
-/// `secs` (> 0): the relay may be down for maintenance or an outage for
-/// hours; under a day is a warning, a day or more is said all the same.
 /// A line per standby among the hosts of `postgres.url` (PostgreSQL 17+,
 /// a failover slot): whether it keeps a synchronized, usable copy of the
 /// slot, with the settings that make it one (`sync_replication_slots`,
 /// `hot_standby_feedback`, `primary_slot_name`, named in the primary's
 /// `synchronized_standby_slots`), read on the standby itself.
 async fn standbys(cfg: &Config, primary: &Client) -> Vec<Line> {
-    let slot = &cfg.postgres.slot;
-    let guarded: String = primary
+    // None: unread (then nothing is said of it).
+    let guarded: Option<String> = primary
         .query_one(
             "SELECT coalesce(current_setting('synchronized_standby_slots', true), '')",
             &[],
         )
         .await
         .map(|r| r.get(0))
-        .unwrap_or_default();
-    let mut lines = Vec::new();
-    for target in &cfg.postgres.targets {
-        let what = format!("standby {target}");
-        let mut one = cfg.postgres.clone();
-        one.targets = vec![target.clone()];
-        one.read_write = false;
-        let client = match tokio::time::timeout(CHECK_TIMEOUT, connect_sql(&one)).await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                lines.push(Line::warn(
-                    what,
-                    format!("not reachable, its settings unread: {e}"),
-                ));
-                continue;
+        .ok();
+    // All at once, each within STANDBY_TIMEOUT (connect and read): the
+    // slot's own lines are under CHECK_TIMEOUT.
+    let reads = cfg.postgres.targets.iter().map(|target| {
+        let guarded = guarded.as_deref();
+        async move {
+            match tokio::time::timeout(STANDBY_TIMEOUT, standby(cfg, target, guarded)).await {
+                Ok(line) => line,
+                Err(_) => Some(Line::warn(
+                    format!("standby {target}"),
+                    format!(
+                        "no answer within {} s, its settings unread",
+                        STANDBY_TIMEOUT.as_secs()
+                    ),
+                )),
             }
-            Err(_) => {
-                lines.push(Line::warn(
-                    what,
-                    "not reachable in time, its settings unread",
-                ));
-                continue;
-            }
-        };
-        let row = client
-            .query_one(
-                "SELECT pg_is_in_recovery(), \
-                 coalesce(current_setting('sync_replication_slots', true), ''), \
-                 current_setting('hot_standby_feedback'), current_setting('primary_slot_name'), \
-                 (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
-                     AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
-                  FROM pg_replication_slots s WHERE slot_name = $1)",
-                &[slot],
-            )
-            .await;
-        let row = match row {
-            Ok(r) => r,
-            Err(e) => {
-                lines.push(Line::warn(
-                    what,
-                    format!("its settings unread: {}", pg_error_text(&e)),
-                ));
-                continue;
-            }
-        };
-        if !row.get::<_, bool>(0) {
-            continue; // the primary
         }
-        let (sync, feedback, primary_slot): (String, String, String) =
-            (row.get(1), row.get(2), row.get(3));
-        let ready: Option<bool> = row.get(4);
-        let mut missing = Vec::new();
-        if sync != "on" {
-            missing.push("sync_replication_slots = on".to_owned());
-        }
-        if feedback != "on" {
-            missing.push("hot_standby_feedback = on".to_owned());
-        }
-        if primary_slot.is_empty() {
-            missing.push("primary_slot_name (a physical slot on the primary)".to_owned());
-        } else if !guarded.split(',').any(|s| s.trim() == primary_slot) {
-            missing.push(format!(
-                "{primary_slot:?} in the primary's synchronized_standby_slots (else the relay \
-                 may confirm what this standby never got)"
-            ));
-        }
-        lines.push(match (ready, missing.is_empty()) {
-            (Some(true), true) => Line::ok(
-                what,
-                format!(
-                    "keeps a synchronized copy of slot {slot:?}, ready for a promotion \
-                     (sync_replication_slots, hot_standby_feedback, primary_slot_name \
-                     {primary_slot:?} guarded by the primary)"
-                ),
-            ),
-            (ready, _) => {
-                let copy = match ready {
-                    Some(true) => "its copy of the slot is ready".to_owned(),
-                    Some(false) => "its copy of the slot is not ready yet (temporary, or \
-                                    invalidated: it becomes ready once the relay confirms past \
-                                    what the standby has)"
-                        .to_owned(),
-                    None => format!("it has no copy of slot {slot:?}"),
-                };
-                let set = if missing.is_empty() {
-                    String::new()
-                } else {
-                    format!("; set {}", missing.join(", "))
-                };
-                let risk = if ready == Some(true) {
-                    ""
-                } else {
-                    ": a promotion now would lose the slot"
-                };
-                Line::warn(what, format!("{copy}{set}{risk}"))
-            }
-        });
-    }
-    lines
+    });
+    futures_util::future::join_all(reads)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
+/// How long `check` waits for each standby.
+const STANDBY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// [`standbys`]' line for `target`; `None` for the primary.
+async fn standby(
+    cfg: &Config,
+    target: &crate::pgurl::PgTarget,
+    guarded: Option<&str>,
+) -> Option<Line> {
+    let slot = &cfg.postgres.slot;
+    let what = format!("standby {target}");
+    let mut one = cfg.postgres.clone();
+    one.targets = vec![target.clone()];
+    one.read_write = false;
+    let client = match connect_sql(&one).await {
+        Ok(c) => c,
+        Err(e) => {
+            return Some(Line::warn(
+                what,
+                format!("not reachable, its settings unread: {e}"),
+            ));
+        }
+    };
+    let row = client
+        .query_one(
+            "SELECT pg_is_in_recovery(), \
+             coalesce(current_setting('sync_replication_slots', true), ''), \
+             current_setting('hot_standby_feedback'), current_setting('primary_slot_name'), \
+             (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
+                 AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
+              FROM pg_replication_slots s WHERE slot_name = $1)",
+            &[slot],
+        )
+        .await;
+    let row = match row {
+        Ok(r) => r,
+        Err(e) => {
+            return Some(Line::warn(
+                what,
+                format!("its settings unread: {}", pg_error_text(&e)),
+            ));
+        }
+    };
+    if !row.get::<_, bool>(0) {
+        return None; // the primary
+    }
+    let (sync, feedback, primary_slot): (String, String, String) =
+        (row.get(1), row.get(2), row.get(3));
+    let ready: Option<bool> = row.get(4);
+    let mut missing = Vec::new();
+    if sync != "on" {
+        missing.push("sync_replication_slots = on".to_owned());
+    }
+    if feedback != "on" {
+        missing.push("hot_standby_feedback = on".to_owned());
+    }
+    if primary_slot.is_empty() {
+        missing.push("primary_slot_name (a physical slot on the primary)".to_owned());
+    } else if let Some(guarded) = guarded
+        && !guarded.split(',').any(|s| s.trim() == primary_slot)
+    {
+        missing.push(format!(
+            "{primary_slot:?} in the primary's synchronized_standby_slots (else the relay may \
+             confirm what this standby never got)"
+        ));
+    }
+    Some(match (ready, missing.is_empty()) {
+        (Some(true), true) => Line::ok(
+            what,
+            format!(
+                "keeps a synchronized copy of slot {slot:?}, ready for a promotion \
+                 (sync_replication_slots, hot_standby_feedback, primary_slot_name \
+                 {primary_slot:?} guarded by the primary)"
+            ),
+        ),
+        (ready, _) => {
+            let copy = match ready {
+                Some(true) => "its copy of the slot is ready".to_owned(),
+                Some(false) => "its copy of the slot is not ready: temporary (ready once the \
+                                relay confirms past what the standby has), invalidated, or a \
+                                slot of that name not synchronized from the primary (drop that \
+                                one on the standby)"
+                    .to_owned(),
+                None => format!(
+                    "it has no copy of slot {slot:?} (its primary_conninfo must name a dbname \
+                     too)"
+                ),
+            };
+            let set = if missing.is_empty() {
+                String::new()
+            } else {
+                format!("; set {}", missing.join(", "))
+            };
+            let risk = if ready == Some(true) {
+                ""
+            } else {
+                ": a promotion now would lose the slot"
+            };
+            Line::warn(what, format!("{copy}{set}{risk}"))
+        }
+    })
+}
+
+/// `check`'s word on PostgreSQL 18's `idle_replication_slot_timeout` of
+/// `secs` (> 0): the relay may be down for maintenance or an outage for
+/// hours; under a day is a warning, a day or more is said all the same.
 fn idle_timeout_line(what: &str, secs: i64) -> Line {
     let text = format!(
         "idle_replication_slot_timeout = {secs} s: if no relay streams from the slot for longer \

@@ -554,12 +554,17 @@ pub async fn setup(client: &Client, cfg: &Config) -> Result<SetupReport, SourceE
                 .await
                 .map_err(sql_err(pg, "reading whether the slot is a failover slot"))?
                 .get(0);
-            if failover == Some(false) {
+            // Only this database's slot, and a live one (altering takes
+            // the slot: a lost one is refused on 18, and pointless on 17).
+            let usable = info.in_this_database
+                && info.invalidation_reason.is_none()
+                && info.wal_status.as_deref() != Some("lost");
+            if failover == Some(false) && usable {
                 match info.active_pid {
-                    None => {
-                        super::make_failover_slot(pg).await?;
-                        report.made_failover = true;
-                    }
+                    None => match super::make_failover_slot(pg).await {
+                        Ok(()) => report.made_failover = true,
+                        Err(e) => report.not_failover = Some(e.to_string()),
+                    },
                     Some(pid) => {
                         report.not_failover = Some(format!(
                             "in use by PID {pid} (a relay?): stop it and run setup again to make \
