@@ -21,6 +21,19 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
+/// `check`'s line on the standby (the URL's other host).
+fn check_standby_line(fx: &Fixture) -> String {
+    let out = fx.relay_cmd("check").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    said.lines()
+        .find(|l| {
+            l.split_once(' ')
+                .is_some_and(|(_, what)| what.starts_with("standby "))
+        })
+        .unwrap_or_else(|| panic!("check names no standby:\n{said}"))
+        .to_owned()
+}
+
 /// Table-less events, one a transaction, each with a row in `log` (not
 /// published) in the same transaction, so that the new primary says
 /// which ones it has. Runs until `stop`; returns the ids whose COMMIT
@@ -85,15 +98,7 @@ async fn a_promoted_standby_streams_on_from_the_synchronized_slot() {
     );
     // Before the primary guards the standby's slot: check says so, read
     // from both servers.
-    let out = fx.relay_cmd("check").output().unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    let standby = said
-        .lines()
-        .find(|l| {
-            l.split_once(' ')
-                .is_some_and(|(_, what)| what.starts_with("standby "))
-        })
-        .unwrap_or_else(|| panic!("check names no standby:\n{said}"));
+    let standby = check_standby_line(&fx);
     assert!(
         standby.starts_with("warn ") && standby.contains("synchronized_standby_slots"),
         "{standby}"
@@ -145,15 +150,7 @@ async fn a_promoted_standby_streams_on_from_the_synchronized_slot() {
     harness_async(ctl(&format!("synced {}", fx.slot))).await;
     harness_async(ctl("catchup")).await;
     // `check` reads the standby's own settings and its copy of the slot.
-    let out = fx.relay_cmd("check").output().unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    let standby = said
-        .lines()
-        .find(|l| {
-            l.split_once(' ')
-                .is_some_and(|(_, what)| what.starts_with("standby "))
-        })
-        .unwrap_or_else(|| panic!("check names no standby:\n{said}"));
+    let standby = check_standby_line(&fx);
     assert!(
         standby.starts_with("ok ") && standby.contains("ready for a promotion"),
         "{standby}"
