@@ -9,10 +9,11 @@ use futures_util::StreamExt;
 use lapin::options::BasicAckOptions;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
 use outbox_relay::lsn::Lsn;
 use tokio_postgres::Client;
 
-use super::{Fixture, Received, Relay, amqp_connect, amqp_connect_to, pg_connect_retry_to};
+use super::{Fixture, Received, Relay, amqp_connect, pg_connect_retry_to};
 
 impl Fixture {
     /// Like [`Fixture::start_consumer`], but survives the broker: when its
@@ -37,24 +38,60 @@ impl Fixture {
         let queue = self.queue.clone();
         let urls = self.amqp_urls.clone();
         let tag = format!("rc_{}", self.name);
+        let state = Arc::new(std::sync::Mutex::new(String::from("starting")));
+        let st = Arc::clone(&state);
+        let set = move |s: String| *st.lock().unwrap() = s;
         tokio::spawn(async move {
             let mut ready = Some(ready_tx);
             let mut seen = HashSet::new();
+            // Every step is bounded: a broker restarting under the consumer
+            // can leave a handshake or a channel open without an answer, and
+            // a consumer stuck there would look like events lost.
+            const STEP: Duration = Duration::from_secs(10);
+            let mut attempt = 0u64;
             loop {
-                let conn = amqp_connect_to(&urls).await;
-                let consumer = match conn.create_channel().await {
-                    Ok(ch) => ch
-                        .basic_consume(
-                            queue.as_str().into(),
-                            tag.as_str().into(),
-                            BasicConsumeOptions::default(),
-                            FieldTable::default(),
-                        )
-                        .await
-                        .ok(),
-                    Err(_) => None,
+                attempt += 1;
+                let url = &urls[attempt as usize % urls.len()];
+                set(format!("consumer connecting (attempt {attempt})"));
+                let conn = match tokio::time::timeout(
+                    STEP,
+                    Connection::connect(url, ConnectionProperties::default()),
+                )
+                .await
+                {
+                    Ok(Ok(c)) => c,
+                    Ok(Err(e)) => {
+                        set(format!("consumer connecting (attempt {attempt}): {e}"));
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                    Err(_) => {
+                        set(format!(
+                            "consumer connecting (attempt {attempt}): no handshake in {STEP:?}"
+                        ));
+                        continue;
+                    }
                 };
-                if let Some(mut consumer) = consumer {
+                set(format!("consumer subscribing (attempt {attempt})"));
+                let consumer = tokio::time::timeout(STEP, async {
+                    let ch = conn.create_channel().await?;
+                    ch.basic_consume(
+                        queue.as_str().into(),
+                        tag.as_str().into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                })
+                .await;
+                match &consumer {
+                    Ok(Err(e)) => set(format!("consumer subscribing (attempt {attempt}): {e}")),
+                    Err(_) => set(format!(
+                        "consumer subscribing (attempt {attempt}): no answer in {STEP:?}"
+                    )),
+                    Ok(Ok(_)) => set(format!("consumer subscribed (attempt {attempt})")),
+                }
+                if let Ok(Ok(mut consumer)) = consumer {
                     subs.fetch_add(1, Ordering::SeqCst);
                     if let Some(r) = ready.take() {
                         let _ = r.send(());
@@ -85,6 +122,7 @@ impl Fixture {
                         )
                         .await;
                     }
+                    set(format!("consumer's subscription ended (attempt {attempt})"));
                 }
                 let _ = tokio::time::timeout(
                     Duration::from_secs(2),
@@ -98,6 +136,7 @@ impl Fixture {
             .await
             .expect("test consumer task ended before subscribing");
         self.consumer = Some(rx);
+        self.consumer_state = Some(state);
         subscriptions
     }
 

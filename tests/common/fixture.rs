@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -69,6 +70,8 @@ pub struct Fixture {
     pub config: PathBuf,
     pub amqp: Connection,
     pub(super) consumer: Option<tokio::sync::mpsc::UnboundedReceiver<Received>>,
+    /// What the reconnecting consumer is doing, for failure messages.
+    pub(super) consumer_state: Option<Arc<std::sync::Mutex<String>>>,
     /// The servers: the harness's own unless [`Fixture::on_servers`].
     /// `pg_url` is a superuser's, for the test itself and the operator's
     /// commands that change the schema (`setup`, `prune`).
@@ -154,6 +157,7 @@ impl Fixture {
             config: PathBuf::new(),
             amqp: amqp_connect_to(&amqp_urls).await,
             consumer: None,
+            consumer_state: None,
             name,
             pg_url,
             amqp_urls,

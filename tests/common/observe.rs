@@ -157,7 +157,12 @@ impl Fixture {
                 .unwrap_or_else(|e| e.to_string()),
             Err(e) => e.to_string(),
         };
-        format!("{slot}; {depth}")
+        let consumer = self
+            .consumer_state
+            .as_ref()
+            .map(|s| format!("; {}", s.lock().unwrap()))
+            .unwrap_or_default();
+        format!("{slot}; {depth}{consumer}")
     }
 
     /// Everything delivered within `wait`.
