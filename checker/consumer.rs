@@ -69,74 +69,78 @@ impl Consumer {
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 continue;
             };
-            if let Ok(ch) = conn.create_channel().await {
+            // Each step bounded: a broker restarting under the consumer can
+            // leave a channel or a subscription without an answer, and a
+            // consumer stuck there would look like events lost.
+            let subscribed = tokio::time::timeout(Duration::from_secs(10), async {
+                let ch = conn.create_channel().await?;
                 let _ = ch.basic_qos(100, BasicQosOptions::default()).await;
-                if let Ok(mut consumer) = ch
-                    .basic_consume(
-                        queue.as_str().into(),
-                        "checker".into(),
-                        BasicConsumeOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                {
-                    while !self.stop.load(Ordering::SeqCst) {
-                        let next = tokio::select! {
-                            d = consumer.next() => d,
-                            _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                                if conn.status().connected() { continue } else { None }
-                            }
-                        };
-                        let Some(Ok(d)) = next else { break };
-                        let id = d
-                            .properties
-                            .message_id()
+                ch.basic_consume(
+                    queue.as_str().into(),
+                    "checker".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+            })
+            .await;
+            if let Ok(Ok(mut consumer)) = subscribed {
+                while !self.stop.load(Ordering::SeqCst) {
+                    let next = tokio::select! {
+                        d = consumer.next() => d,
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                            if conn.status().connected() { continue } else { None }
+                        }
+                    };
+                    let Some(Ok(d)) = next else { break };
+                    let id = d
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|s| s.to_string())
+                        .unwrap_or_default();
+                    let header = |k: &str| {
+                        d.properties
+                            .headers()
                             .as_ref()
-                            .map(|s| s.to_string())
-                            .unwrap_or_default();
-                        let header = |k: &str| {
-                            d.properties
-                                .headers()
-                                .as_ref()
-                                .and_then(|h| h.inner().get(k).cloned())
-                        };
-                        let text = |v: Option<AMQPValue>| match v {
-                            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
-                            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
-                            Some(other) => Some(format!("{other:?}")),
-                            None => None,
-                        };
-                        let reason = text(header("x-outbox-error"));
-                        // The workload forges `x-outbox-error: forged` and
-                        // `x-outbox-attempts: 99`; the relay sets neither
-                        // value (nor, on a delivered event, either key).
-                        let attempts = text(header("x-outbox-attempts"));
-                        let forged = reason.as_deref() == Some("forged")
-                            || attempts.as_deref().is_some_and(|a| a.contains("99"))
-                            || (from == From::Main && attempts.is_some());
-                        // A broker redelivery of what was recorded is an
-                        // echo of our reconnect, not a copy the relay sent.
-                        if seen.insert(id.clone()) || !d.redelivered {
-                            self.got.lock().unwrap().push(Delivery {
-                                from,
-                                id,
-                                at: Instant::now(),
-                                forged,
-                                reason,
-                            });
-                        }
-                        while from == From::Main
-                            && self.paused.load(Ordering::SeqCst)
-                            && !self.stop.load(Ordering::SeqCst)
-                        {
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                        let _ = tokio::time::timeout(
-                            Duration::from_secs(5),
-                            d.acker.ack(BasicAckOptions::default()),
-                        )
-                        .await;
+                            .and_then(|h| h.inner().get(k).cloned())
+                    };
+                    let text = |v: Option<AMQPValue>| match v {
+                        Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+                        Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
+                        Some(other) => Some(format!("{other:?}")),
+                        None => None,
+                    };
+                    let reason = text(header("x-outbox-error"));
+                    // The workload forges `x-outbox-error: forged` and
+                    // `x-outbox-attempts: 99`; the relay sets neither
+                    // value (nor, on a delivered event, either key).
+                    let attempts = text(header("x-outbox-attempts"));
+                    let forged = reason.as_deref() == Some("forged")
+                        || attempts.as_deref().is_some_and(|a| a.contains("99"))
+                        || (from == From::Main && attempts.is_some());
+                    // A broker redelivery of what was recorded is an
+                    // echo of our reconnect, not a copy the relay sent.
+                    if seen.insert(id.clone()) || !d.redelivered {
+                        self.got.lock().unwrap().push(Delivery {
+                            from,
+                            id,
+                            at: Instant::now(),
+                            forged,
+                            reason,
+                        });
                     }
+                    while from == From::Main
+                        && self.paused.load(Ordering::SeqCst)
+                        && !self.stop.load(Ordering::SeqCst)
+                    {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        d.acker.ack(BasicAckOptions::default()),
+                    )
+                    .await;
                 }
             }
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "checker".into()))
