@@ -42,7 +42,7 @@ use crate::sink::replies::Disposition;
 use crate::source::checkpoint_table::{self, Recovery};
 use crate::source::coverage::Snapshot;
 use crate::source::slot::{self, SlotInfo};
-use crate::source::{SourceError, connect_sql, sql_err};
+use crate::source::{SourceError, bounded, connect_sql, sql_err};
 
 /// Added to the longest transaction seen: it may have gone on for up to a
 /// sampling interval after the last sample, and shorter ones go unseen.
@@ -390,10 +390,11 @@ async fn lock_recovery(client: &Client, cfg: &Config) -> Result<(), RelayError> 
 /// a stop and without every row confirmed is an error, never `Ok`.
 pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bool, RelayError> {
     let client = connect_sql(&cfg.postgres).await?;
-    if checkpoint_table::pending_recovery(&client, cfg)
-        .await?
-        .is_none()
-    {
+    // Every start reads this: each step is bounded, so a checkpoint table
+    // someone holds locked (a migration, `VACUUM FULL`) costs a logged
+    // retry, not a silent hang.
+    let pending = checkpoint_table::pending_recovery(&client, cfg);
+    if bounded("reading the checkpoint", pending).await?.is_none() {
         return Ok(true);
     }
     // Only the relay that may stream the slot finishes its recovery (a
@@ -401,15 +402,21 @@ pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bo
     // still in recovery (an address that points at a standby during a
     // failover) has no slot yet, and is no proof the slot was lost: it
     // fails here, as it fails the stream, and is retried.
-    crate::source::resume::server(&client, &cfg.postgres).await?;
-    slot::usable_slot(&client, cfg).await?;
+    let server = crate::source::resume::server(&client, &cfg.postgres);
+    bounded("identifying the server", server).await?;
+    bounded("reading the slot", slot::usable_slot(&client, cfg)).await?;
     lock_recovery(&client, cfg).await?;
     // Finished by another meanwhile?
-    let Some(recovery) = checkpoint_table::pending_recovery(&client, cfg).await? else {
+    let pending = checkpoint_table::pending_recovery(&client, cfg);
+    let Some(recovery) = bounded("reading the checkpoint", pending).await? else {
         return Ok(true);
     };
     info!(since = %recovery.since, done = recovery.done, "finishing the recovery recorded earlier");
-    let commit_ts = commit_timestamps(&client, cfg).await?;
+    let commit_ts = bounded(
+        "reading track_commit_timestamp",
+        commit_timestamps(&client, cfg),
+    )
+    .await?;
     let sel = window_selection(&recovery, commit_ts);
     let selected = rows::count(&client, cfg, &sel, &rows::tables(cfg, None)?).await?;
     let done = finish(cfg, &client, recovery, commit_ts, selected, stop).await?;

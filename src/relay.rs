@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::source::SourceError;
+use crate::source::{SQL_DEADLINE, SourceError};
 
 pub use crate::error::RelayError;
 
@@ -55,8 +55,6 @@ const SLOT_BUSY_RETRY: Duration = Duration::from_secs(2);
 const SLOT_BUSY_LOG_EVERY: Duration = Duration::from_secs(60);
 /// The checkpoint table is written at most this often.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
-/// Deadline of each SQL call beside the stream.
-const SQL_DEADLINE: Duration = Duration::from_secs(10);
 /// Retained WAL is polled this often for the metric.
 const RETAINED_WAL_EVERY: Duration = Duration::from_secs(5);
 
@@ -82,16 +80,12 @@ pub fn backoff(attempt: u32) -> Duration {
     half + half.mul_f64(rand::random_range(0.0..1.0))
 }
 
-/// `fut` within [`SQL_DEADLINE`]: a server that accepted the connection and
-/// then hangs ends the attempt (transient), not the relay.
+/// [`crate::source::bounded`], as the relay's error.
 async fn bounded<T>(
     what: &str,
     fut: impl std::future::Future<Output = Result<T, SourceError>>,
 ) -> Result<T, RelayError> {
-    match tokio::time::timeout(SQL_DEADLINE, fut).await {
-        Ok(r) => Ok(r?),
-        Err(_) => Err(SourceError::Timeout(what.to_owned()).into()),
-    }
+    Ok(crate::source::bounded(what, fut).await?)
 }
 
 #[cfg(test)]

@@ -194,6 +194,23 @@ impl SourceError {
 /// own logical replication workers do the same.
 pub const SESSION_OPTIONS: &str = "-c search_path=pg_catalog,pg_temp";
 
+/// Deadline of each SQL call beside the stream (and before a recovery
+/// publishes).
+pub(crate) const SQL_DEADLINE: Duration = Duration::from_secs(10);
+
+/// `fut` within [`SQL_DEADLINE`]: a server that accepted the connection and
+/// then hangs, or a table another session holds locked, ends the attempt
+/// (transient, with `what` in the log), not the relay, and never in silence.
+pub(crate) async fn bounded<T>(
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, SourceError>>,
+) -> Result<T, SourceError> {
+    match tokio::time::timeout(SQL_DEADLINE, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(SourceError::Timeout(what.to_owned())),
+    }
+}
+
 /// Deadline for opening a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Deadline for reaching each host of a list.

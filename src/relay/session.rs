@@ -503,7 +503,13 @@ async fn open_broker(cfg: &Config, memory: &mut Memory) -> Result<Vec<AmqpSink>,
     memory.nodes.reached(sinks[0].node());
     let sink = &mut sinks[0];
     let refused = &mut memory.refusals.missing;
-    for exchange in refused.names() {
+    // Only the missing: a passive declare asks for no permission, so it
+    // would find a write-forbidden exchange "there" at every session and
+    // send its events to be refused again (that one is tried again once
+    // its refusal is a minute old).
+    let missing = (refused.names().into_iter())
+        .filter(|x| refused.refusal(x) != Some(crate::sink::refused::Refusal::Forbidden));
+    for exchange in missing.collect::<Vec<_>>() {
         match sink.check_exchange(&exchange).await {
             Ok(()) => {
                 info!(exchange = %crate::logtext::Shown(&exchange), "the exchange exists now");

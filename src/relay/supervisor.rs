@@ -40,7 +40,7 @@ use crate::lsn::Lsn;
 use crate::metrics::{Metrics, TargetLabel};
 use crate::recover::{self, RecoverOutcome};
 use crate::sink::refusals::learn;
-use crate::source::SourceError;
+use crate::source::{SQL_DEADLINE, SourceError};
 
 /// How long after the relay recovered a lost slot losing it again stops
 /// the relay instead.
@@ -123,6 +123,11 @@ impl<'a> Supervisor<'a> {
                     if phase == Phase::Streaming || to == Phase::Streaming {
                         self.attempt = 0;
                     }
+                    // Timed from its end: a recovery that re-published
+                    // for longer than the guard still guards the loop.
+                    if phase == Phase::Recovering && to == Phase::Streaming {
+                        self.recovered_at = Some(Instant::now());
+                    }
                     if to == Phase::Streaming {
                         self.memory = Memory::new(self.cfg);
                         self.busy_logged = None;
@@ -137,20 +142,37 @@ impl<'a> Supervisor<'a> {
     /// slot.
     async fn recover(&mut self, phase: Phase) -> Next {
         let (cfg, shutdown) = (self.cfg, &self.shutdown);
-        let step = if phase == Phase::Recovering {
-            // Counted by the relay that re-published: another that saw
-            // the same loss finds the slot healthy once it has the lock.
-            recover::recover_lost_slot(cfg, shutdown)
-                .await
-                .map(|outcome| match outcome {
-                    RecoverOutcome::Republished { published, .. } => {
-                        self.metrics.slot_recoveries.inc();
-                        published.is_none_or(|p| p.complete)
-                    }
-                    RecoverOutcome::Healthy(_) => true,
-                })
-        } else {
-            recover::finish_pending(cfg, shutdown).await
+        let step = async {
+            if phase == Phase::Recovering {
+                // Counted by the relay that re-published: another that saw
+                // the same loss finds the slot healthy once it has the lock.
+                recover::recover_lost_slot(cfg, shutdown)
+                    .await
+                    .map(|outcome| match outcome {
+                        RecoverOutcome::Republished { published, .. } => {
+                            self.metrics.slot_recoveries.inc();
+                            published.is_none_or(|p| p.complete)
+                        }
+                        RecoverOutcome::Healthy(_) => true,
+                    })
+            } else {
+                recover::finish_pending(cfg, shutdown).await
+            }
+        };
+        // A stop is honoured even where a step does not look at it (a query
+        // the server never answers): the step has the grace period, and a
+        // SQL deadline more, to end by itself, then it is cut. Whatever it
+        // recorded stays, as after a kill.
+        let cut = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(cfg.rabbitmq.shutdown_grace + SQL_DEADLINE).await;
+        };
+        let step = tokio::select! {
+            r = step => r,
+            () = cut => {
+                warn!("stopped while the recovery did not answer; it is cut short");
+                Ok(false)
+            }
         };
         match step {
             Ok(true) => Next::Enter(Phase::Streaming, "no recovery left to finish"),
@@ -235,6 +257,11 @@ impl<'a> Supervisor<'a> {
                 info!(%slot, "a recovery is under way: waiting for it before streaming");
                 Next::Enter(Phase::Finishing, "another process is re-publishing")
             }
+            // Stopped while connecting found it: nothing to wait for.
+            RelayError::Source(SourceError::RecoveryPending(_)) => {
+                info!("stopped while connecting");
+                Next::Stop(Ok(None))
+            }
             e => Next::Stop(Err(e)),
         }
     }
@@ -275,7 +302,6 @@ impl<'a> Supervisor<'a> {
                 RECOVER_AGAIN_AFTER.as_secs() / 60
             )))));
         }
-        self.recovered_at = Some(Instant::now());
         error!(reason = %why, "{message}");
         Next::Enter(Phase::Recovering, "the replication slot was lost")
     }

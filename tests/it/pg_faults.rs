@@ -578,3 +578,35 @@ async fn a_busy_walsender_is_not_taken_for_a_dead_one() {
         .await
         .unwrap();
 }
+
+/// The checkpoint table locked by someone else (a migration, `VACUUM
+/// FULL`, a `LOCK TABLE` left open) when the relay starts: reading it for
+/// a recovery to finish, the first thing every start does, is bounded, so
+/// the relay says what it waits on and retries, instead of hanging in
+/// silence; once the lock is gone it streams, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_checkpoint_table_at_start_is_waited_out_aloud() {
+    let _turn = SERIAL.lock().await;
+    let mut fx = Fixture::new("lockedcp").await;
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let locker = pg_connect().await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE outbox_relay_checkpoint IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut relay = fx.spawn_relay();
+    let said = relay
+        .wait_log("reading the checkpoint timed out", Duration::from_secs(40))
+        .await;
+    let running = relay.is_running();
+    locker.batch_execute("COMMIT").await.unwrap();
+    assert!(said, "no word of the locked table:\n{}", relay.log_text());
+    assert!(running, "the relay exited:\n{}", relay.log_text());
+    let id = fx
+        .insert(&pg, "order", "o1", "placed", &serde_json::json!({}))
+        .await;
+    fx.expect_delivered(&[id], &relay).await;
+    relay.stop_ok();
+    fx.cleanup().await;
+}

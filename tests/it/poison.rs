@@ -590,6 +590,42 @@ async fn refused_templated_exchanges_are_dead_lettered_within_the_session() {
     let sessions = log.matches("streaming from LSN").count();
     assert_eq!(sessions, 1, "sessions started:\n{log}");
     assert!(!log.contains("reconnecting"), "{log}");
+
+    // A new session keeps the write-forbidden exchange refused: a passive
+    // declare, which asks for no permission, finds it, but that is no
+    // reason to send its events to be refused again (each time closing the
+    // channel with its window unconfirmed).
+    let active = fx.wait_slot_active(None, Duration::from_secs(10)).await;
+    assert!(fx.terminate_walsender(&pg).await.is_some());
+    fx.wait_slot_active(active, Duration::from_secs(30)).await;
+    let end = Instant::now() + Duration::from_secs(30);
+    while relay.log_text().matches("streaming from LSN").count() < 2 {
+        assert!(
+            Instant::now() < end,
+            "no second session:\n{}",
+            relay.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let again = fx
+        .insert(&pg, &forbidden, "a", "placed", &serde_json::json!({}))
+        .await;
+    let dl = loop {
+        let d = recv_one(&mut dlq, "dead letter", &relay).await;
+        if d.message_id() == again {
+            break d;
+        }
+    };
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(err.contains("403 ACCESS_REFUSED"), "{err}");
+    let log = relay.log_text();
+    assert!(!log.contains("exists now"), "{log}");
+    assert_eq!(
+        log.matches("the broker refuses this templated exchange")
+            .count(),
+        1,
+        "refused more than once:\n{log}"
+    );
     relay.stop_ok();
     rabbitmq_ctl(&["ctl", "delete_user", &user]);
     fx.cleanup().await;
