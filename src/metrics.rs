@@ -28,6 +28,8 @@ pub mod names {
     pub const COMMIT_TO_CONFIRM: &str = "outbox_relay_commit_to_confirm_seconds";
     /// Messages awaiting a confirm.
     pub const IN_FLIGHT: &str = "outbox_relay_in_flight_messages";
+    /// Messages awaiting a confirm, per publishing channel.
+    pub const CHANNEL_IN_FLIGHT: &str = "outbox_relay_channel_in_flight_messages";
     /// Events received and not yet confirmed (queued, in flight, retrying).
     pub const UNCONFIRMED_EVENTS: &str = "outbox_relay_unconfirmed_events";
     /// Bytes of the messages in flight or waiting for a retry.
@@ -101,6 +103,14 @@ pub enum Target {
     rabbitmq,
 }
 
+/// `channel` label: the publishing channel's number, from 0
+/// (`rabbitmq.channels`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ChannelLabel {
+    /// The channel.
+    pub channel: u32,
+}
+
 /// `target` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TargetLabel {
@@ -125,6 +135,8 @@ pub struct Metrics {
     pub commit_to_confirm: Histogram,
     /// See [`names::IN_FLIGHT`].
     pub in_flight: Gauge,
+    /// See [`names::CHANNEL_IN_FLIGHT`].
+    pub channel_in_flight: Family<ChannelLabel, Gauge>,
     /// See [`names::UNCONFIRMED_EVENTS`].
     pub unconfirmed_events: Gauge,
     /// See [`names::UNCONFIRMED_BYTES`].
@@ -177,6 +189,7 @@ impl Metrics {
                 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
             ]),
             in_flight: Gauge::default(),
+            channel_in_flight: Family::default(),
             unconfirmed_events: Gauge::default(),
             unconfirmed_bytes: Gauge::default(),
             received_lsn: Gauge::default(),
@@ -221,6 +234,11 @@ impl Metrics {
             names::IN_FLIGHT,
             "Messages published and not yet confirmed",
             m.in_flight.clone(),
+        );
+        r.register(
+            names::CHANNEL_IN_FLIGHT,
+            "Messages published on each publishing channel (rabbitmq.channels) and not yet confirmed; one channel high while the others drain is the one holding the confirmed position back",
+            m.channel_in_flight.clone(),
         );
         r.register(
             names::UNCONFIRMED_EVENTS,
@@ -326,6 +344,9 @@ mod tests {
                 target: Target::rabbitmq,
             })
             .inc();
+        (m.channel_in_flight
+            .get_or_create(&ChannelLabel { channel: 3 }))
+        .set(7);
         let text = m.encode();
         for needle in [
             "outbox_relay_events_total{outcome=\"published\"} 1",
@@ -338,6 +359,7 @@ mod tests {
             "outbox_relay_slot_safe_wal_bytes -1",
             "outbox_relay_retries_total{reason=\"nacked\"} 0",
             "outbox_relay_reconnects_total{target=\"postgres\"} 0",
+            "outbox_relay_channel_in_flight_messages{channel=\"3\"} 7",
         ] {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }

@@ -254,7 +254,7 @@ impl AmqpSink {
             let url = shown_url(cfg.urls[node].expose());
             match Self::connect_node(cfg, node, name).await {
                 Ok(sink) => {
-                    info!(node = %url, "connected to RabbitMQ");
+                    info!(node = %url, connection = name, "connected to RabbitMQ");
                     return Ok(sink);
                 }
                 Err(e) => {

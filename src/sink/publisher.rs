@@ -34,7 +34,7 @@ use crate::message::{
 };
 use prometheus_client::metrics::counter::Counter;
 
-use crate::metrics::{Metrics, Outcome, OutcomeLabel};
+use crate::metrics::{ChannelLabel, Metrics, Outcome, OutcomeLabel};
 use crate::outbox::OutboxEvent;
 
 #[cfg(test)]
@@ -262,7 +262,7 @@ impl<'a> Publisher<'a> {
                 reason: reason.to_owned(),
             });
         };
-        error!(event_id = %Shown(env.id()), reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
+        error!(event_id = %Shown(env.id()), channel = f.lane, reason, attempts, dead_letter_exchange = %dlx, "dead-lettering event");
         let dl = env.dead_letter(dlx, reason, attempts);
         Ok(InFlight::dead_letter(f, dl))
     }
@@ -605,6 +605,13 @@ impl<'a> Publisher<'a> {
         self.metrics.in_flight.set(in_flight);
         (self.metrics.unconfirmed_events).set(in_flight.saturating_add(queued as i64));
         (self.metrics.unconfirmed_bytes).set(self.held as i64);
+        for (channel, l) in self.lanes.iter().enumerate() {
+            let label = ChannelLabel {
+                channel: channel as u32,
+            };
+            let gauge = self.metrics.channel_in_flight.get_or_create(&label);
+            gauge.set(l.in_flight.try_into().unwrap_or(i64::MAX));
+        }
         let lag = self
             .cp
             .oldest_pending_commit_time_us()

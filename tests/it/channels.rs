@@ -19,7 +19,7 @@ const FOUR: &str = "channels = 4\n";
 async fn four_channels_keep_each_aggregate_in_order_across_kill9_and_a_walsender_kill() {
     let mut fx = Fixture::with_config("chan4", FOUR).await;
     fx.start_consumer().await;
-    let relay = fx.spawn_relay();
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_LOG_FORMAT", "json")]);
     let sql = fx.insert_sql();
     let producer = tokio::spawn(async move {
         let mut pg = pg_connect().await;
@@ -54,6 +54,26 @@ async fn four_channels_keep_each_aggregate_in_order_across_kill9_and_a_walsender
         "one connection per channel:\n{}",
         relay.log_tail()
     );
+    // Each connection says which channel it is, and so do the gauges.
+    let log = relay.log_text();
+    for c in 0..4 {
+        assert!(
+            log.contains(&format!("channel {c})")),
+            "channel {c}:\n{log}"
+        );
+    }
+    let (status, metrics) = http_get(&relay.http_addr().await, "/metrics").await;
+    assert_eq!(status, 200);
+    for c in 0..4 {
+        let gauge = format!("outbox_relay_channel_in_flight_messages{{channel=\"{c}\"}}");
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        let mut text = metrics.clone();
+        while !text.contains(&gauge) && std::time::Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            text = http_get(&relay.http_addr().await, "/metrics").await.1;
+        }
+        assert!(text.contains(&gauge), "{gauge} missing:\n{text}");
+    }
     relay.kill9();
     let relay = fx.spawn_relay();
     let pg = pg_connect().await;

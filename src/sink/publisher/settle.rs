@@ -62,8 +62,9 @@ impl Publisher<'_> {
                     )
                 };
                 let limit = self.cfg.unroutable_attempts;
+                let channel = f.lane;
                 self.again_or_dead_letter(f, id, limit, RetryReason::returned, reason, |id, n, delay| {
-                    warn!(event_id = %id, attempt = n, retry_in_ms = delay.as_millis() as u64, exchange = %Shown(&exchange), routing_key = %Shown(&routing_key), "unroutable; will publish again");
+                    warn!(event_id = %id, channel, attempt = n, retry_in_ms = delay.as_millis() as u64, exchange = %Shown(&exchange), routing_key = %Shown(&routing_key), "unroutable; will publish again");
                 })
             }
             Err(SinkError::Nacked { id }) => {
@@ -73,8 +74,9 @@ impl Publisher<'_> {
                          reject-publish)"
                     )
                 };
+                let channel = f.lane;
                 self.again_or_dead_letter(f, id, NACK_ATTEMPTS, RetryReason::nacked, reason, |id, n, delay| {
-                    warn!(event_id = %id, attempt = n, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
+                    warn!(event_id = %id, channel, attempt = n, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
                 })
             }
             Err(e) => Err(e.into()),
