@@ -65,6 +65,9 @@ pub struct Settings {
     pub channels: Vec<u32>,
     /// Events per run of the channels sweep.
     pub channels_events: u64,
+    /// Passes of every cell of the channels sweep (the median reported,
+    /// the spread shown).
+    pub channels_passes: u64,
     /// Only the channels sweep (no drains, ceilings, polling or latency).
     pub channels_only: bool,
     /// Where the report goes.
@@ -146,6 +149,7 @@ impl Settings {
             events,
             channels,
             channels_events,
+            channels_passes: env_u64("BENCH_CHANNELS_PASSES", 3)?.max(1),
             channels_only: env_u64("BENCH_CHANNELS_ONLY", 0)? != 0,
             tx_rows,
             passes: env_u64("BENCH_PASSES", 2)?.max(1),

@@ -179,10 +179,19 @@ fn busiest_md(b: &BrokerCost) -> String {
     })
 }
 
+/// Every pass's figure, when there were several: " (a, b, c)".
+fn spread(rates: &[f64]) -> String {
+    if rates.len() < 2 {
+        return String::new();
+    }
+    let all: Vec<String> = rates.iter().map(|r| num(*r)).collect();
+    format!(" ({})", all.join(", "))
+}
+
 pub(super) fn table_md(s: &Sweep) -> String {
     let mut m = String::new();
     m.push_str(
-        "| queue | layout | N | relay events/s, first → last | relay events/s, from process start | N plain publishers events/s | relay ÷ plain | relay CPU s/100k | plain CPU s/100k | walsender CPU s/100k | broker CPU s/100k (relay / plain) | busiest broker process, CPU s/100k |\n\
+        "| queue | layout | N | relay events/s, first → last (median pass; all passes) | relay events/s, from process start | N plain publishers events/s (median; all) | relay ÷ plain | relay CPU s/100k | plain CPU s/100k | walsender CPU s/100k | broker CPU s/100k (relay / plain) | busiest broker process, CPU s/100k |\n\
          |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
     );
     for c in &s.cells {
@@ -194,13 +203,15 @@ pub(super) fn table_md(s: &Sweep) -> String {
         };
         let _ = writeln!(
             m,
-            "| {} | {} | {} | **{}**{twice} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {:.2} / {:.2} | {} |",
+            "| {} | {} | {} | **{}**{twice}{} | {} | {}{} | {:.2} | {:.2} | {:.2} | {} | {:.2} / {:.2} | {} |",
             c.queue_type,
             c.layout.label(),
             c.channels,
             num(relay_rate(c)),
+            spread(&c.relay_rates),
             num(c.relay.events_per_s),
             num(c.ceiling.events_per_s),
+            spread(&c.ceiling_rates),
             relay_rate(c) / c.ceiling.events_per_s,
             c.relay.cpu_seconds_per_100k,
             c.ceiling.cpu_seconds_per_100k,

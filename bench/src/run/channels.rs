@@ -60,6 +60,56 @@ pub struct Cell {
     /// N processes of the relay's client at once.
     pub ceiling: PublisherRun,
     pub ceiling_broker: BrokerCost,
+    /// Every pass's relay rate (first → last), CPU s/100k and plain
+    /// publishers' rate, in the order run: `relay` and `ceiling` are the
+    /// median passes of these.
+    pub relay_rates: Vec<f64>,
+    pub relay_cpu: Vec<f64>,
+    pub ceiling_rates: Vec<f64>,
+}
+
+/// One pass of one cell, before the passes are folded into a [`Cell`].
+struct Pass {
+    relay: Drain,
+    relay_published: Option<f64>,
+    relay_broker: BrokerCost,
+    ceiling: PublisherRun,
+    ceiling_broker: BrokerCost,
+}
+
+/// The median of `runs` by `key` (the lower middle of an even count).
+fn median_by<T>(runs: &[T], key: impl Fn(&T) -> f64) -> usize {
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|&a, &b| key(&runs[a]).total_cmp(&key(&runs[b])));
+    order[(order.len() - 1) / 2]
+}
+
+/// A cell from its passes: the relay's median pass (by rate) with its
+/// broker reading, the plain publishers' median pass with theirs, and every
+/// pass's figures for the spread.
+fn fold(queue_type: &str, layout: Layout, channels: u32, queues: u32, passes: Vec<Pass>) -> Cell {
+    let r = median_by(&passes, |p| p.relay.events_per_s_after_first);
+    let c = median_by(&passes, |p| p.ceiling.events_per_s);
+    Cell {
+        queue_type: queue_type.to_owned(),
+        layout,
+        channels,
+        queues,
+        relay_rates: passes
+            .iter()
+            .map(|p| p.relay.events_per_s_after_first)
+            .collect(),
+        relay_cpu: passes
+            .iter()
+            .map(|p| p.relay.cpu_seconds_per_100k)
+            .collect(),
+        ceiling_rates: passes.iter().map(|p| p.ceiling.events_per_s).collect(),
+        relay: passes[r].relay.clone(),
+        relay_published: passes[r].relay_published,
+        relay_broker: passes[r].relay_broker.clone(),
+        ceiling: passes[c].ceiling.clone(),
+        ceiling_broker: passes[c].ceiling_broker.clone(),
+    }
 }
 
 /// Everything the sweep measured.
@@ -165,23 +215,29 @@ pub async fn sweep(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Resul
     );
     drop_leftovers(pg).await?;
     crate::pg::create_outbox(pg, &s.outbox_sql, TABLE).await?;
+    // A slot per cell and pass, all made before the backlog: each replays
+    // it once.
     let mut plan = Vec::new();
     for qt in &s.queue_types {
         for layout in Layout::ALL {
             for &n in &s.channels {
-                let slot = format!("{SLOT_PREFIX}{qt}_{}_{n}", layout.tag());
                 let (exchange, _) = topology(qt, layout, n);
-                let cfg = RelayConfig::write_channels(
-                    s,
-                    &format!("ch-{qt}-{}-{n}", layout.tag()),
-                    TABLE,
-                    &slot,
-                    PUBLICATION,
-                    &exchange,
-                    n,
-                )?;
-                cfg.setup()?;
-                plan.push((qt.clone(), layout, n, cfg));
+                let mut cfgs = Vec::new();
+                for pass in 0..s.channels_passes {
+                    let slot = format!("{SLOT_PREFIX}{qt}_{}_{n}_p{pass}", layout.tag());
+                    let cfg = RelayConfig::write_channels(
+                        s,
+                        &format!("ch-{qt}-{}-{n}-p{pass}", layout.tag()),
+                        TABLE,
+                        &slot,
+                        PUBLICATION,
+                        &exchange,
+                        n,
+                    )?;
+                    cfg.setup()?;
+                    cfgs.push(cfg);
+                }
+                plan.push((qt.clone(), layout, n, cfgs));
             }
         }
     }
@@ -197,80 +253,93 @@ pub async fn sweep(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Resul
         ..Default::default()
     };
     let window = s.window as usize;
-    for (qt, layout, n, cfg) in &plan {
-        let (exchange, queues) = topology(qt, *layout, *n);
-        declare(amqp, *layout, &exchange, &queues, qt).await?;
-        let mut probe = crate::amqp::DepthProbe::over(&s.amqp_url, queues.clone()).await?;
-        eprintln!("  {qt}, {}, N = {n}: relay drain ...", layout.label());
-        let b0 = broker::snapshot()?;
-        // Read while the relay still runs: its connections' processes
-        // (channels, readers, writers) are alive to be charged.
-        let mut b1 = None;
-        let (relay, published) = relay_drain(s, pg, cfg, &mut probe, &backlog, &mut || {
-            b1 = Some(broker::snapshot())
-        })
-        .await?;
-        let b1 = b1.context("the drain ended without reading the broker")??;
-        let relay_broker = broker::cost(&b0, &b1, s.events);
-        eprintln!(
-            "    relay: {:.0} events/s ({:.0} after the first), {:.2} CPU s/100k; broker {:.2} CPU s/100k, {:.0}% not charged to a live process",
-            relay.events_per_s,
-            relay.events_per_s_after_first,
-            relay.cpu_seconds_per_100k,
-            relay_broker.cpu_seconds_per_100k,
-            relay_broker.unattributed_share * 100.0
-        );
-        // Fresh queues for the plain publishers, as the relay had: no
-        // purged messages being cleaned up during their run.
-        probe.purge().await?;
-        declare(amqp, *layout, &exchange, &queues, qt).await?;
-        eprintln!(
-            "  {qt}, {}, N = {n}: {n} plain publishers ...",
-            layout.label()
-        );
-        let b0 = broker::snapshot()?;
-        let ceiling =
-            crate::ceiling::relay_clients(&s.amqp_url, &exchange, window, s.events, *n as u64)
-                .await?;
-        let ceiling_broker = broker::cost(&b0, &broker::snapshot()?, s.events);
-        check_all_there(&ceiling, &mut probe, s.events).await?;
-        eprintln!(
-            "    plain: {:.0} events/s; broker {:.2} CPU s/100k",
-            ceiling.events_per_s, ceiling_broker.cpu_seconds_per_100k
-        );
-        if *n == 4 && *layout == Layout::OneQueue {
-            for per_connection in [false, true] {
-                probe.purge().await?;
-                let run = crate::ceiling::lapin_channels(
-                    &s.amqp_url,
-                    &exchange,
-                    window,
-                    s.events,
-                    4,
-                    per_connection,
-                )
-                .await?;
-                check_all_there(&run, &mut probe, s.events).await?;
-                eprintln!("    {}: {:.0} events/s", run.name, run.events_per_s);
-                out.connections.push((qt.clone(), run));
+    // Passes interleaved (every cell once, then again), so that a drift of
+    // the machine's load spreads over the cells instead of landing on one.
+    let mut runs: Vec<Vec<Pass>> = plan.iter().map(|_| Vec::new()).collect();
+    for pass in 0..s.channels_passes as usize {
+        for (k, (qt, layout, n, cfgs)) in plan.iter().enumerate() {
+            let cfg = &cfgs[pass];
+            let (exchange, queues) = topology(qt, *layout, *n);
+            declare(amqp, *layout, &exchange, &queues, qt).await?;
+            let mut probe = crate::amqp::DepthProbe::over(&s.amqp_url, queues.clone()).await?;
+            eprintln!(
+                "  pass {}/{}, {qt}, {}, N = {n}: relay drain ...",
+                pass + 1,
+                s.channels_passes,
+                layout.label()
+            );
+            let b0 = broker::snapshot()?;
+            // Read while the relay still runs: its connections' processes
+            // (channels, readers, writers) are alive to be charged.
+            let mut b1 = None;
+            let (relay, published) = relay_drain(s, pg, cfg, &mut probe, &backlog, &mut || {
+                b1 = Some(broker::snapshot())
+            })
+            .await?;
+            let b1 = b1.context("the drain ended without reading the broker")??;
+            let relay_broker = broker::cost(&b0, &b1, s.events);
+            eprintln!(
+                "    relay: {:.0} events/s ({:.0} after the first), {:.2} CPU s/100k; broker {:.2} CPU s/100k, {:.0}% not charged to a live process",
+                relay.events_per_s,
+                relay.events_per_s_after_first,
+                relay.cpu_seconds_per_100k,
+                relay_broker.cpu_seconds_per_100k,
+                relay_broker.unattributed_share * 100.0
+            );
+            // Fresh queues for the plain publishers, as the relay had: no
+            // purged messages being cleaned up during their run.
+            probe.purge().await?;
+            declare(amqp, *layout, &exchange, &queues, qt).await?;
+            eprintln!(
+                "  pass {}/{}, {qt}, {}, N = {n}: {n} plain publishers ...",
+                pass + 1,
+                s.channels_passes,
+                layout.label()
+            );
+            let b0 = broker::snapshot()?;
+            let ceiling =
+                crate::ceiling::relay_clients(&s.amqp_url, &exchange, window, s.events, *n as u64)
+                    .await?;
+            let ceiling_broker = broker::cost(&b0, &broker::snapshot()?, s.events);
+            check_all_there(&ceiling, &mut probe, s.events).await?;
+            eprintln!(
+                "    plain: {:.0} events/s; broker {:.2} CPU s/100k",
+                ceiling.events_per_s, ceiling_broker.cpu_seconds_per_100k
+            );
+            if pass == 0 && *n == 4 && *layout == Layout::OneQueue {
+                for per_connection in [false, true] {
+                    probe.purge().await?;
+                    let run = crate::ceiling::lapin_channels(
+                        &s.amqp_url,
+                        &exchange,
+                        window,
+                        s.events,
+                        4,
+                        per_connection,
+                    )
+                    .await?;
+                    check_all_there(&run, &mut probe, s.events).await?;
+                    eprintln!("    {}: {:.0} events/s", run.name, run.events_per_s);
+                    out.connections.push((qt.clone(), run));
+                }
             }
+            probe.purge().await?;
+            probe.close().await;
+            crate::amqp::delete(amqp, &exchange, &queues).await?;
+            runs[k].push(Pass {
+                relay,
+                relay_published: published,
+                relay_broker,
+                ceiling,
+                ceiling_broker,
+            });
+            // This pass's slot is done with: the WAL it held goes.
+            drop_slot(pg, &cfg.slot).await?;
         }
-        probe.purge().await?;
-        probe.close().await;
-        crate::amqp::delete(amqp, &exchange, &queues).await?;
-        out.cells.push(Cell {
-            queue_type: qt.clone(),
-            layout: *layout,
-            channels: *n,
-            queues: queues.len() as u32,
-            relay_published: published,
-            relay,
-            relay_broker,
-            ceiling,
-            ceiling_broker,
-        });
-        // This cell's slot is done with: the WAL it held goes.
-        drop_slot(pg, &cfg.slot).await?;
+    }
+    for ((qt, layout, n, _), passes) in plan.iter().zip(runs) {
+        let queues = topology(qt, *layout, *n).1.len() as u32;
+        out.cells.push(fold(qt, *layout, *n, queues, passes));
     }
     drop_leftovers(pg).await?;
     Ok(out)
