@@ -340,10 +340,70 @@ pub(super) async fn checkpoint_table(
             ),
         ));
     }
+    if let Some(lacks) = checkpoint_access(client, cfg).await? {
+        lines.push(Line::warn(what.clone(), lacks));
+    }
     if lines.is_empty() {
-        lines.push(Line::ok(what, format!("owned by {owner}, no triggers")));
+        lines.push(Line::ok(
+            what,
+            format!("owned by {owner}, no triggers, its row readable and writable"),
+        ));
     }
     Ok(lines)
+}
+
+/// What keeps the relay's role (this connection's) from reading and
+/// upserting its row of the checkpoint table, if anything: a privilege, or
+/// row-level security with no policy that lets it. Without them the relay
+/// streams on, warning at every write, and `recover` has no checkpoint to
+/// start from. (A policy's own condition is not evaluated: that would take
+/// a write.)
+async fn checkpoint_access(client: &Client, cfg: &Config) -> Result<Option<String>, CheckError> {
+    let table = cfg.postgres.checkpoint_table.quoted();
+    // Row-level security binds a role that is not a superuser, has no
+    // BYPASSRLS, and does not have the owner's privileges (or the table
+    // forces it); a policy applies to PUBLIC (0) or a role whose privileges
+    // it has, as PostgreSQL's own rowsecurity.c decides.
+    let row = client
+        .query_one(
+            "SELECT ARRAY(SELECT p FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE']) p \
+                          WHERE NOT has_table_privilege(c.oid, p)), \
+                    c.relrowsecurity AND NOT r.rolsuper AND NOT r.rolbypassrls \
+                      AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE')), \
+                    ARRAY(SELECT k.name \
+                          FROM (VALUES ('SELECT', 'r'), ('INSERT', 'a'), ('UPDATE', 'w')) k(name, cmd) \
+                          WHERE NOT EXISTS ( \
+                            SELECT 1 FROM pg_policy p \
+                            WHERE p.polrelid = c.oid AND p.polpermissive \
+                              AND p.polcmd IN ('*', k.cmd) \
+                              AND EXISTS (SELECT 1 FROM unnest(p.polroles) pr \
+                                          WHERE pr = 0 OR pg_has_role(pr, 'USAGE')))) \
+             FROM pg_class c, pg_roles r \
+             WHERE c.oid = to_regclass($1) AND r.rolname = current_user",
+            &[&table],
+        )
+        .await?;
+    let (privileges, rls, no_policy): (Vec<String>, bool, Vec<String>) =
+        (row.get(0), row.get(1), row.get(2));
+    let slot = &cfg.postgres.slot;
+    if !privileges.is_empty() {
+        return Ok(Some(format!(
+            "the relay's role lacks {} on it, so it cannot record its position (`recover` would \
+             have no checkpoint): GRANT SELECT, INSERT, UPDATE ON {table} TO <the relay's role> \
+             (sql/role.sql does)",
+            privileges.join(", ")
+        )));
+    }
+    if rls && !no_policy.is_empty() {
+        return Ok(Some(format!(
+            "row-level security is on and no policy lets the relay's role {} its row, so it \
+             cannot record its position (`recover` would have no checkpoint): CREATE POLICY \
+             ... ON {table} TO <the relay's role> USING (slot_name = '{slot}') WITH CHECK \
+             (slot_name = '{slot}') (sql/role.sql does)",
+            no_policy.join(", ")
+        )));
+    }
+    Ok(None)
 }
 
 pub(super) async fn replication_slot(

@@ -21,7 +21,7 @@ use super::{Relay, amqp_connect_to, amqp_url, pg_connect_retry_to, pg_url};
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// The advisory lock that makes and drops relay roles one at a time.
-const ROLE_LOCK: i64 = 7_140_371;
+pub const ROLE_LOCK: i64 = 7_140_371;
 
 /// One message as a consumer saw it.
 #[derive(Debug, Clone)]

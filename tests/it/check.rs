@@ -507,7 +507,10 @@ async fn superuser_and_a_foreign_owned_or_triggered_checkpoint_table_are_warning
     );
     let what = format!("checkpoint table public.{table}");
     assert!(
-        lines.contains(&format!("ok {what}: owned by postgres, no triggers").as_str()),
+        lines.contains(
+            &format!("ok {what}: owned by postgres, no triggers, its row readable and writable")
+                .as_str()
+        ),
         "{c}"
     );
 
@@ -823,5 +826,58 @@ async fn a_silent_second_node_does_not_cost_the_exchange_checks() {
     );
     assert_eq!(c.code, Some(0), "{c}");
     drop(silent);
+    fx.cleanup().await;
+}
+
+/// A relay's role that cannot record its checkpoint (a privilege revoked,
+/// or row-level security with no policy for it) streams on, warning at
+/// every write, and leaves `recover` nothing to start from: `check` says
+/// so, naming what is missing and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_record_its_checkpoint_is_warned() {
+    let fx = Fixture::new("chk_cpaccess").await;
+    let pg = pg_connect().await;
+    let role = relay_user(&fx).to_owned();
+    assert_ne!(role, "postgres", "the fixture's relay runs as its own role");
+    let what = "checkpoint table public.outbox_relay_checkpoint";
+    let line = |c: &Checked| {
+        let l = c.lines().into_iter().find(|l| l.contains(what));
+        l.unwrap_or_else(|| panic!("no {what} line:\n{c}"))
+            .to_owned()
+    };
+    let c = check(&fx, &[]);
+    assert!(line(&c).contains("its row readable and writable"), "{c}");
+    // As sql/role.sql's GRANTs are made: one at a time (a GRANT beside
+    // another test's on the same table can fail "tuple concurrently
+    // updated").
+    let locked =
+        |sql: String| format!("BEGIN; SELECT pg_advisory_xact_lock({ROLE_LOCK}); {sql}; COMMIT");
+    pg.batch_execute(&locked(format!(
+        "REVOKE UPDATE ON public.outbox_relay_checkpoint FROM \"{role}\""
+    )))
+    .await
+    .unwrap();
+    let c = check(&fx, &[]);
+    let l = line(&c);
+    assert!(
+        l.starts_with("warn ")
+            && l.contains("lacks UPDATE")
+            && l.contains("GRANT SELECT, INSERT, UPDATE"),
+        "{c}"
+    );
+    pg.batch_execute(&locked(format!(
+        "GRANT UPDATE ON public.outbox_relay_checkpoint TO \"{role}\"; \
+         DROP POLICY \"{role}\" ON public.outbox_relay_checkpoint"
+    )))
+    .await
+    .unwrap();
+    let c = check(&fx, &[]);
+    let l = line(&c);
+    assert!(
+        l.starts_with("warn ")
+            && l.contains("no policy lets the relay's role SELECT, INSERT, UPDATE its row")
+            && l.contains(&format!("USING (slot_name = '{}')", fx.slot)),
+        "{c}"
+    );
     fx.cleanup().await;
 }
