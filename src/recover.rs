@@ -42,7 +42,7 @@ use crate::sink::replies::Disposition;
 use crate::source::checkpoint_table::{self, Recovery};
 use crate::source::coverage::Snapshot;
 use crate::source::slot::{self, SlotInfo};
-use crate::source::{SourceError, bounded, connect_sql, sql_err};
+use crate::source::{SourceError, bound_lock_waits, bounded, connect_sql, sql_err};
 
 /// Added to the longest transaction seen: it may have gone on for up to a
 /// sampling interval after the last sample, and shorter ones go unseen.
@@ -390,9 +390,12 @@ async fn lock_recovery(client: &Client, cfg: &Config) -> Result<(), RelayError> 
 /// a stop and without every row confirmed is an error, never `Ok`.
 pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bool, RelayError> {
     let client = connect_sql(&cfg.postgres).await?;
-    // Every start reads this: each step is bounded, so a checkpoint table
-    // someone holds locked (a migration, `VACUUM FULL`) costs a logged
-    // retry, not a silent hang.
+    // Every start reads this: these reads are bounded (here, and their
+    // lock waits on the server), so a checkpoint table someone holds
+    // locked (a migration, `VACUUM FULL`) costs a logged retry, not a
+    // silent hang. (Counting and publishing the rows, below, may take as
+    // long as they take.)
+    bound_lock_waits(&client, &cfg.postgres, true).await?;
     let pending = checkpoint_table::pending_recovery(&client, cfg);
     if bounded("reading the checkpoint", pending).await?.is_none() {
         return Ok(true);
@@ -417,6 +420,7 @@ pub async fn finish_pending(cfg: &Config, stop: &CancellationToken) -> Result<bo
         commit_timestamps(&client, cfg),
     )
     .await?;
+    bound_lock_waits(&client, &cfg.postgres, false).await?;
     let sel = window_selection(&recovery, commit_ts);
     let selected = rows::count(&client, cfg, &sel, &rows::tables(cfg, None)?).await?;
     let done = finish(cfg, &client, recovery, commit_ts, selected, stop).await?;

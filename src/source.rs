@@ -211,6 +211,30 @@ pub(crate) async fn bounded<T>(
     }
 }
 
+/// Makes the server give up waiting for a lock a second after
+/// [`SQL_DEADLINE`] on `client`'s connection (`on`), or wait as long as it
+/// takes again: a query [`bounded`] gives up on is not cancelled on the
+/// server, so a backend queued behind a lock someone holds for an hour
+/// would stay queued, one more at every retry, until `max_connections` ran
+/// out. (A second after: the relay's own deadline, which names what it
+/// waited for, comes first.)
+pub(crate) async fn bound_lock_waits(
+    client: &tokio_postgres::Client,
+    cfg: &PostgresConfig,
+    on: bool,
+) -> Result<(), SourceError> {
+    let sql = if on {
+        let after = SQL_DEADLINE + Duration::from_secs(1);
+        format!("SET lock_timeout = '{}ms'", after.as_millis())
+    } else {
+        "RESET lock_timeout".to_owned()
+    };
+    bounded("setting lock_timeout", async {
+        (client.batch_execute(&sql).await).map_err(sql_err(cfg, "setting lock_timeout"))
+    })
+    .await
+}
+
 /// Deadline for opening a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Deadline for reaching each host of a list.

@@ -346,7 +346,7 @@ pub(super) async fn checkpoint_table(
     if lines.is_empty() {
         lines.push(Line::ok(
             what,
-            format!("owned by {owner}, no triggers, its row readable and writable"),
+            format!("owned by {owner}, no triggers, the relay's role granted what its row needs (a policy's condition not checked)"),
         ));
     }
     Ok(lines)

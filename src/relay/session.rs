@@ -138,7 +138,11 @@ impl Session {
 
     /// The slot, the outbox tables, the broker, then the stream.
     async fn connect(cfg: &Config, memory: &mut Memory) -> Result<Session, RelayError> {
-        let sql = Arc::new(connect_sql(&cfg.postgres).await?);
+        let sql = connect_sql(&cfg.postgres).await?;
+        // Everything this connection runs is bounded: so are its waits for
+        // a lock on the server.
+        crate::source::bound_lock_waits(&sql, &cfg.postgres, true).await?;
+        let sql = Arc::new(sql);
         // First: a standby (reached through an address that moved, while a
         // failover is under way) fails here, and is retried; its missing
         // slot is not taken for a lost one.

@@ -160,18 +160,25 @@ impl<'a> Supervisor<'a> {
             }
         };
         // A stop is honoured even where a step does not look at it (a query
-        // the server never answers): the step has the grace period, and a
-        // SQL deadline more, to end by itself, then it is cut. Whatever it
-        // recorded stays, as after a kill.
+        // the server never answers): the step has the grace period to drain
+        // its confirms, and two SQL deadlines more to close the broker
+        // (5 s at most) and save its progress, then it is cut. Whatever it
+        // recorded stays, as after a kill; whether it had found a recovery
+        // to finish is not known, so the exit says only what to do.
         let cut = async {
             shutdown.cancelled().await;
-            tokio::time::sleep(cfg.rabbitmq.shutdown_grace + SQL_DEADLINE).await;
+            tokio::time::sleep(cfg.rabbitmq.shutdown_grace + 2 * SQL_DEADLINE).await;
         };
         let step = tokio::select! {
             r = step => r,
             () = cut => {
-                warn!("stopped while the recovery did not answer; it is cut short");
-                Ok(false)
+                return Next::Stop(Err(RelayError::Interrupted(format!(
+                    "stopped while a recovery step of slot {:?} did not answer within the \
+                     shutdown grace period (rabbitmq.shutdown_grace_secs) and {} s more; start \
+                     `outbox-relay run` again: a recovery it recorded is finished then",
+                    cfg.postgres.slot,
+                    (2 * SQL_DEADLINE).as_secs()
+                ))));
             }
         };
         match step {

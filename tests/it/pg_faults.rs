@@ -599,10 +599,36 @@ async fn a_locked_checkpoint_table_at_start_is_waited_out_aloud() {
     let said = relay
         .wait_log("reading the checkpoint timed out", Duration::from_secs(40))
         .await;
+    // Retried, and each attempt's backend gives up its wait on the server
+    // too (lock_timeout): they do not queue up behind the lock.
+    let end = Instant::now() + Duration::from_secs(60);
+    while said
+        && relay
+            .log_text()
+            .matches("reading the checkpoint timed out")
+            .count()
+            < 2
+    {
+        assert!(Instant::now() < end, "not retried:\n{}", relay.log_text());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The relay's own backends (other tests' relays may queue too).
+    let role = fx.relay_role.as_ref().map(|r| r.name.clone());
+    let queued: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND usename = $1",
+            &[&role.expect("the fixture's relay runs as its own role")],
+        )
+        .await
+        .unwrap()
+        .get(0);
     let running = relay.is_running();
     locker.batch_execute("COMMIT").await.unwrap();
     assert!(said, "no word of the locked table:\n{}", relay.log_text());
     assert!(running, "the relay exited:\n{}", relay.log_text());
+    assert!(queued <= 1, "{queued} backends wait for the lock");
     let id = fx
         .insert(&pg, "order", "o1", "placed", &serde_json::json!({}))
         .await;

@@ -202,52 +202,55 @@ async fn drop_leftovers(pg: &Client) -> Result<()> {
     Ok(())
 }
 
-/// The sweep. One backlog of `s.channels_events` events serves every
-/// cell: each relay drains it through a slot of its own, created before
-/// the inserts.
+/// The sweep. Each pass commits a backlog of `s.channels_events` events
+/// that serves every cell: each relay drains it through a slot of its own,
+/// created before the pass's inserts.
 pub async fn sweep(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Result<Sweep> {
     let mut s = s.clone();
     s.events = s.channels_events;
     let s = &s;
     eprintln!(
-        "== channels sweep: N = {:?}, {} events per run ==",
-        s.channels, s.events
+        "== channels sweep: N = {:?}, {} events per run, {} passes ==",
+        s.channels, s.events, s.channels_passes
     );
     drop_leftovers(pg).await?;
-    crate::pg::create_outbox(pg, &s.outbox_sql, TABLE).await?;
-    // A slot per cell and pass, all made before the backlog: each replays
-    // it once.
+    let r = sweep_passes(s, pg, amqp).await;
+    // On an error too: no slot left holding WAL.
+    let left = drop_leftovers(pg).await;
+    let out = r?;
+    left?;
+    Ok(out)
+}
+
+/// The cells of one pass, each with a slot of its own, made before that
+/// pass's backlog (so that each replays it once, and a pass holds no more
+/// slots than there are cells: `max_replication_slots`).
+fn pass_plan(s: &Settings, pass: u64) -> Result<Vec<(String, Layout, u32, RelayConfig)>> {
     let mut plan = Vec::new();
     for qt in &s.queue_types {
         for layout in Layout::ALL {
             for &n in &s.channels {
                 let (exchange, _) = topology(qt, layout, n);
-                let mut cfgs = Vec::new();
-                for pass in 0..s.channels_passes {
-                    let slot = format!("{SLOT_PREFIX}{qt}_{}_{n}_p{pass}", layout.tag());
-                    let cfg = RelayConfig::write_channels(
-                        s,
-                        &format!("ch-{qt}-{}-{n}-p{pass}", layout.tag()),
-                        TABLE,
-                        &slot,
-                        PUBLICATION,
-                        &exchange,
-                        n,
-                    )?;
-                    cfg.setup()?;
-                    cfgs.push(cfg);
-                }
-                plan.push((qt.clone(), layout, n, cfgs));
+                let slot = format!("{SLOT_PREFIX}{qt}_{}_{n}_p{pass}", layout.tag());
+                let cfg = RelayConfig::write_channels(
+                    s,
+                    &format!("ch-{qt}-{}-{n}-p{pass}", layout.tag()),
+                    TABLE,
+                    &slot,
+                    PUBLICATION,
+                    &exchange,
+                    n,
+                )?;
+                cfg.setup()?;
+                plan.push((qt.clone(), layout, n, cfg));
             }
         }
     }
-    eprintln!("  committing {} events ...", s.events);
-    let lsn0 = crate::pg::wal_lsn(pg).await?;
-    let insert = crate::pg::insert_backlog(pg, TABLE, 1, s.events, s.tx_rows).await?;
-    let lsn1 = crate::pg::wal_lsn(pg).await?;
-    pg.batch_execute("CHECKPOINT").await?;
-    let backlog = Backlog { lsn0, lsn1, insert };
+    Ok(plan)
+}
 
+async fn sweep_passes(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Result<Sweep> {
+    crate::pg::create_outbox(pg, &s.outbox_sql, TABLE).await?;
     let mut out = Sweep {
         events: s.events,
         ..Default::default()
@@ -255,10 +258,25 @@ pub async fn sweep(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Resul
     let window = s.window as usize;
     // Passes interleaved (every cell once, then again), so that a drift of
     // the machine's load spreads over the cells instead of landing on one.
-    let mut runs: Vec<Vec<Pass>> = plan.iter().map(|_| Vec::new()).collect();
+    let mut runs: Vec<Vec<Pass>> = Vec::new();
+    let mut cells: Vec<(String, Layout, u32)> = Vec::new();
     for pass in 0..s.channels_passes as usize {
-        for (k, (qt, layout, n, cfgs)) in plan.iter().enumerate() {
-            let cfg = &cfgs[pass];
+        let plan = pass_plan(s, pass as u64)?;
+        eprintln!("  pass {}: committing {} events ...", pass + 1, s.events);
+        let lsn0 = crate::pg::wal_lsn(pg).await?;
+        let first = 1 + pass as u64 * s.events;
+        let insert = crate::pg::insert_backlog(pg, TABLE, first, s.events, s.tx_rows).await?;
+        let lsn1 = crate::pg::wal_lsn(pg).await?;
+        pg.batch_execute("CHECKPOINT").await?;
+        let backlog = Backlog { lsn0, lsn1, insert };
+        if runs.is_empty() {
+            runs = plan.iter().map(|_| Vec::new()).collect();
+            cells = plan
+                .iter()
+                .map(|(q, l, n, _)| (q.clone(), *l, *n))
+                .collect();
+        }
+        for (k, (qt, layout, n, cfg)) in plan.iter().enumerate() {
             let (exchange, queues) = topology(qt, *layout, *n);
             declare(amqp, *layout, &exchange, &queues, qt).await?;
             let mut probe = crate::amqp::DepthProbe::over(&s.amqp_url, queues.clone()).await?;
@@ -337,10 +355,9 @@ pub async fn sweep(s: &Settings, pg: &Client, amqp: &lapin::Connection) -> Resul
             drop_slot(pg, &cfg.slot).await?;
         }
     }
-    for ((qt, layout, n, _), passes) in plan.iter().zip(runs) {
+    for ((qt, layout, n), passes) in cells.iter().zip(runs) {
         let queues = topology(qt, *layout, *n).1.len() as u32;
         out.cells.push(fold(qt, *layout, *n, queues, passes));
     }
-    drop_leftovers(pg).await?;
     Ok(out)
 }
