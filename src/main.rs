@@ -134,13 +134,32 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %format!("{e:#}"), "stopped");
+            let text = error_text(&e);
+            tracing::error!(error = %text, "stopped");
             // Through the log's writer: an error can carry a server's (or a
             // row's) text, and stays one line.
             let mut err = outbox_relay::logtext::OneLine(std::io::stderr());
             let _ =
-                std::io::Write::write_all(&mut err, format!("outbox-relay: {e:#}\n").as_bytes());
+                std::io::Write::write_all(&mut err, format!("outbox-relay: {text}\n").as_bytes());
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes, as `{:#}` writes them, less each cause whose
+/// text is already there (an error that shows its source, the source
+/// again: "reset by peer: reset by peer").
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if text.contains(&c) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&c);
+    }
+    text
 }

@@ -716,6 +716,17 @@ async fn open_replication(
                     cfg.require_auth.refusal(m)
                 ))
             }
+            // The server's alert about our certificate comes after the
+            // handshake under TLS 1.3, on the first read.
+            pgwire_replication::PgWireError::Io(io)
+                if matches!(
+                    TlsFailure::find(io.as_ref()),
+                    Some(TlsFailure::ClientCertRefused(_))
+                ) =>
+            {
+                let f = TlsFailure::find(io.as_ref()).expect("matched");
+                SourceError::Setup(tls::postgres_failure(&f, &shown_url(url), cfg.sslmode))
+            }
             pgwire_replication::PgWireError::Tls(msg)
                 if TlsFailure::from_text(msg).is_permanent() =>
             {

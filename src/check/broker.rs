@@ -123,11 +123,24 @@ pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<A
         return (Line::fail(what, why), None);
     }
     let password_key = cfg.rabbitmq.urls[node].password_key();
-    let line = Line::fail(
-        what,
-        describe_amqp_error(&failed, &user, &vhost, password_key),
-    );
-    (line, None)
+    let mut why = describe_amqp_error(&failed, &user, &vhost, password_key);
+    // A broker that refuses a client certificate under TLS 1.3 may just
+    // reset the connection after the handshake: the alert is not seen.
+    if cfg.rabbitmq.client_cert.is_some()
+        && let SinkError::Amqp { source, .. } = &failed
+        && match source {
+            WireError::Io(io) => io.kind() == std::io::ErrorKind::ConnectionReset,
+            WireError::Eof => true,
+            _ => false,
+        }
+    {
+        why.push_str(
+            "; or the broker refused the relay's client certificate and closed the \
+             connection: check that rabbitmq.cert_file is valid now and signed by a CA in the \
+             broker's ssl_options.cacertfile",
+        );
+    }
+    (Line::fail(what, why), None)
 }
 
 pub(super) async fn exchanges(cfg: &Config, sink: &mut AmqpSink) -> Vec<Line> {

@@ -13,6 +13,10 @@ pub enum TlsFailure {
     WrongHost(String),
     /// The certificate is expired or not yet valid.
     Expired(String),
+    /// The peer refused our client certificate (or the lack of one): it
+    /// sent a certificate alert (an expired or untrusted certificate,
+    /// none where one is required).
+    ClientCertRefused(String),
     /// The server does not speak TLS at all.
     NoServerTls,
     /// Our side could not set TLS up (an unreadable CA file...).
@@ -40,6 +44,9 @@ impl TlsFailure {
                 | CertificateError::NotValidYetContext { .. } => TlsFailure::Expired(detail),
                 _ => TlsFailure::Protocol(detail),
             },
+            rustls::Error::AlertReceived(a) if about_our_certificate(&format!("{a:?}")) => {
+                TlsFailure::ClientCertRefused(detail)
+            }
             _ => TlsFailure::Protocol(detail),
         }
     }
@@ -55,6 +62,12 @@ impl TlsFailure {
             TlsFailure::NoServerTls
         } else if msg.contains("TLS config error") {
             TlsFailure::Config(detail)
+        } else if let Some((_, alert)) = msg.split_once("received fatal alert: ")
+            && about_our_certificate(alert)
+        {
+            // Before "expired": an alert saying CertificateExpired is
+            // about our certificate, not the server's.
+            TlsFailure::ClientCertRefused(detail)
         } else if msg.contains("UnknownIssuer") || msg.contains("BadSignature") {
             TlsFailure::Untrusted(detail)
         } else if msg.contains("not valid for name") || msg.contains("NotValidForName") {
@@ -104,6 +117,22 @@ impl TlsFailure {
     }
 }
 
+/// Whether a TLS alert the peer sent (its name as rustls writes it) is a
+/// complaint about the certificate we sent, or did not send.
+fn about_our_certificate(alert: &str) -> bool {
+    const ALERTS: [&str; 7] = [
+        "BadCertificate",
+        "UnsupportedCertificate",
+        "CertificateRevoked",
+        "CertificateExpired",
+        "CertificateUnknown",
+        "UnknownCA",
+        "CertificateRequired",
+    ];
+    let name = alert.trim().split(|c: char| !c.is_alphanumeric()).next();
+    name.is_some_and(|n| ALERTS.contains(&n))
+}
+
 /// The message for a failed TLS handshake with PostgreSQL (`url` already
 /// redacted), naming what to change.
 pub fn postgres_failure(f: &TlsFailure, url: &str, mode: SslMode) -> String {
@@ -123,6 +152,12 @@ pub fn postgres_failure(f: &TlsFailure, url: &str, mode: SslMode) -> String {
         TlsFailure::Expired(d) => format!(
             "{what}: the server certificate is not valid now ({d}); renew it \
              (postgres.sslmode is {mode})"
+        ),
+        TlsFailure::ClientCertRefused(d) => format!(
+            "{what}: the server refused the relay's client certificate ({d}); set \
+             postgres.cert_file and key_file (or sslcert= and sslkey= in postgres.url) to a \
+             certificate that is valid now and signed by a CA the server trusts (its \
+             ssl_ca_file)"
         ),
         TlsFailure::NoServerTls => format!(
             "{what}: the server does not accept TLS connections (ssl = off); enable ssl on the \
@@ -162,6 +197,11 @@ pub fn rabbitmq_failure(f: &TlsFailure, url: &str) -> String {
         TlsFailure::Expired(d) => {
             format!("{what}: the broker certificate is not valid now ({d}); renew it")
         }
+        TlsFailure::ClientCertRefused(d) => format!(
+            "{what}: the broker refused the relay's client certificate ({d}); set \
+             rabbitmq.cert_file and key_file to a certificate that is valid now and signed by \
+             a CA the broker trusts (its ssl_options.cacertfile)"
+        ),
         TlsFailure::NoServerTls
         | TlsFailure::Config(_)
         | TlsFailure::Protocol(_)

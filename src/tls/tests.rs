@@ -97,6 +97,53 @@ fn failures_are_classified_and_name_the_setting() {
     assert_eq!(TlsFailure::find(&plain), None);
 }
 
+/// The peer's certificate alert is about the relay's own certificate: an
+/// expired client certificate is not told as the server's.
+#[test]
+fn a_refused_client_certificate_is_not_blamed_on_the_server() {
+    use rustls::AlertDescription;
+    for alert in [
+        AlertDescription::CertificateExpired,
+        AlertDescription::UnknownCA,
+        AlertDescription::CertificateRequired,
+        AlertDescription::BadCertificate,
+    ] {
+        let io = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::AlertReceived(alert),
+        );
+        let f = TlsFailure::find(&io).unwrap();
+        assert!(
+            matches!(f, TlsFailure::ClientCertRefused(_)),
+            "{alert:?}: {f:?}"
+        );
+        assert!(f.is_permanent());
+        let text = format!(
+            "TLS handshake failed: {}",
+            rustls::Error::AlertReceived(alert)
+        );
+        assert_eq!(TlsFailure::from_text(&text), f, "{text}");
+        let m = postgres_failure(&f, "postgres://h/db", SslMode::VerifyFull);
+        assert!(
+            m.contains("client certificate") && m.contains("postgres.cert_file"),
+            "{m}"
+        );
+        assert!(!m.contains("server certificate"), "{m}");
+        let m = rabbitmq_failure(&f, "amqps://h");
+        assert!(
+            m.contains("client certificate") && m.contains("rabbitmq.cert_file"),
+            "{m}"
+        );
+        assert!(!m.contains("broker certificate"), "{m}");
+    }
+    // Other alerts stay protocol failures; the server's own expired
+    // certificate stays the server's.
+    let f = TlsFailure::from_text("TLS handshake failed: received fatal alert: HandshakeFailure");
+    assert!(matches!(f, TlsFailure::Protocol(_)), "{f:?}");
+    let f = TlsFailure::from_text("TLS handshake failed: invalid peer certificate: Expired");
+    assert!(matches!(f, TlsFailure::Expired(_)), "{f:?}");
+}
+
 #[test]
 fn bad_ca_files_are_explained() {
     let dir = std::env::temp_dir().join(format!("outbox-relay-tls-{}", std::process::id()));

@@ -115,6 +115,41 @@ async fn run_without_a_slot_says_to_run_setup() {
     fx.cleanup().await;
 }
 
+/// A command that cannot reach the broker says why once: the error and
+/// its causes, without a cause repeated ("refused: refused: refused", as
+/// an error that shows its source, then the source, used to print).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_broker_connection_is_told_once() {
+    let fx = Fixture::new("refusedonce").await;
+    let pg = pg_connect().await;
+    let id = fx
+        .insert(&pg, "order", "o-1", "created", &serde_json::json!({"n": 1}))
+        .await;
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let refusing = text.replace(&amqp_url(), "amqp://guest:guest@127.0.0.1:1/%2f");
+    assert_ne!(text, refusing, "the broker URL is in the config");
+    std::fs::write(&fx.config, &refusing).unwrap();
+    let out = fx
+        .relay_cmd("republish")
+        .args(["--id", &id])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("connecting to RabbitMQ"), "{err}");
+    // The log's line and the last one, each saying it once.
+    let last = err
+        .lines()
+        .rfind(|l| l.starts_with("outbox-relay: "))
+        .unwrap_or_default();
+    assert_eq!(last.matches("Connection refused").count(), 1, "{err}");
+    for line in err.lines() {
+        assert!(line.matches("Connection refused").count() <= 1, "{err}");
+    }
+    std::fs::write(&fx.config, &text).unwrap();
+    fx.cleanup().await;
+}
+
 /// Once a relay has streamed from the slot, `setup` does not make a
 /// dropped slot again: the new one would start at the current WAL
 /// position, and the events committed since the relay's last confirmed

@@ -209,8 +209,9 @@ async fn rabbitmq_ca_file_replaces_the_public_roots() {
 /// SASL EXTERNAL: `auth_mechanism=external` in an `amqps://` URL logs in
 /// as the user the client certificate (`rabbitmq.cert_file`/`key_file`)
 /// names, with no password anywhere; a certificate for a user the broker
-/// does not have is refused. Without the certificate, or over `amqp://`,
-/// the configuration is refused when loaded.
+/// does not have is refused, an expired one told as the relay's own.
+/// Without the certificate, or over `amqp://`, the configuration is
+/// refused when loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_external_logs_in_with_the_client_certificate() {
     let pki = Pki::new();
@@ -258,6 +259,18 @@ async fn rabbitmq_external_logs_in_with_the_client_certificate() {
     let line = broker_line(&with(&stranger, &stranger_key));
     assert!(
         line.starts_with("FAIL ") && line.contains("refused"),
+        "{line}"
+    );
+    // An expired certificate: the broker resets the connection after the
+    // handshake (its alert is not seen); the line says the certificate
+    // may be why, and which setting holds it.
+    let (old_cert, old_key) = pki.expired_client("relaycert");
+    let line = broker_line(&with(&old_cert, &old_key));
+    assert!(
+        line.starts_with("FAIL ")
+            && line.contains("client certificate")
+            && line.contains("rabbitmq.cert_file")
+            && !line.contains("broker certificate"),
         "{line}"
     );
 

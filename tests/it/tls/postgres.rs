@@ -373,7 +373,8 @@ async fn hostaddr_reaches_the_same_server_on_both_connections() {
 /// and `sslkey=` in the URL) logs both connections in where pg_hba.conf
 /// says `cert`; without one, or with another user's, both are refused for
 /// good, naming what to fix. A half-given pair or a key of another
-/// certificate is refused when the configuration is loaded.
+/// certificate is refused when the configuration is loaded. An expired
+/// one is told as the relay's certificate, not the server's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_certificate_logs_in_both_connections() {
     let pki = Pki::new();
@@ -422,6 +423,27 @@ async fn a_client_certificate_logs_in_both_connections() {
             assert!(msg.contains("certificate"), "{case}: {what}: {msg}");
             assert!(!transient, "{case}: {what}: {msg}");
         }
+    }
+    let (old_cert, old_key) = pki.expired_client("relay");
+    let expired = format!(
+        "{verified}cert_file = \"{}\"\nkey_file = \"{}\"",
+        old_cert.display(),
+        old_key.display()
+    );
+    let (sql, repl) = both_connections(&cfg, &pg, url.clone(), expired)
+        .await
+        .unwrap_err();
+    for (what, e) in [("SQL", sql), ("replication", repl)] {
+        let (msg, transient) = e.unwrap_or_else(|| panic!("expired: {what} connection succeeded"));
+        assert!(
+            msg.contains("client certificate") && msg.contains("postgres.cert_file"),
+            "expired: {what}: {msg}"
+        );
+        assert!(
+            !msg.contains("server certificate"),
+            "expired: {what}: {msg}"
+        );
+        assert!(!transient, "expired: {what}: {msg}");
     }
 
     cfg.write(

@@ -74,11 +74,31 @@ impl Pki {
     /// A client certificate for user `cn` (its common name) that this CA
     /// signed, as `client-<cn>.pem` and `client-<cn>.key` (mode 600).
     pub fn client(&self, cn: &str) -> (PathBuf, PathBuf) {
+        self.client_valid(cn, true)
+    }
+
+    /// As [`Pki::client`], but expired (valid in 2020 only), as
+    /// `client-<cn>-expired.pem` and `.key`.
+    pub fn expired_client(&self, cn: &str) -> (PathBuf, PathBuf) {
+        self.client_valid(cn, false)
+    }
+
+    fn client_valid(&self, cn: &str, now: bool) -> (PathBuf, PathBuf) {
         use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
         use std::os::unix::fs::PermissionsExt;
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.distinguished_name.push(DnType::CommonName, cn);
+        if !now {
+            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            params.not_after = rcgen::date_time_ymd(2020, 12, 31);
+        }
+        let cn = if now {
+            cn.to_owned()
+        } else {
+            format!("{cn}-expired")
+        };
+        let cn = cn.as_str();
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         let issuer = self.issuer.lock().unwrap();
         let cert = params
