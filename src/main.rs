@@ -147,19 +147,20 @@ async fn main() -> ExitCode {
 }
 
 /// The error and its causes, as `{:#}` writes them, less each cause whose
-/// text is already there (an error that shows its source, the source
-/// again: "reset by peer: reset by peer").
+/// text the one before it already showed (an error that shows its source,
+/// then the source again: "reset by peer: reset by peer").
 fn error_text(e: &anyhow::Error) -> String {
     let mut text = String::new();
+    let mut before = String::new();
     for cause in e.chain() {
         let c = cause.to_string();
-        if text.contains(&c) {
-            continue;
+        if !before.contains(&c) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&c);
         }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&c);
+        before = c;
     }
     text
 }

@@ -32,6 +32,12 @@ use replies::Disposition;
 use tracing::{info, warn};
 use wire::{Event, Target, Wire, WireError};
 
+/// What a connect that the broker ended unsaid was, when the relay
+/// presented a client certificate.
+pub const CLOSED_WITH_CERT: &str = "connecting to RabbitMQ with the client certificate \
+     (if the broker refuses it, expired or signed by a CA it does not trust, it may just close \
+     the connection: check rabbitmq.cert_file)";
+
 /// What went wrong on the broker side.
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
@@ -318,6 +324,7 @@ impl AmqpSink {
             ),
             _ => None,
         };
+        let with_cert = tls.is_some() && cfg.client_cert.is_some();
         let target = Target {
             uri,
             tls,
@@ -332,7 +339,11 @@ impl AmqpSink {
                 }
                 let login_refused = matches!(&source, WireError::ConnectionClosed { code: 403, text }
                     if text.contains("Login was refused"));
-                let refusal = amqp(what, source);
+                let refusal = if with_cert && source.ended_unsaid() {
+                    amqp(CLOSED_WITH_CERT, source)
+                } else {
+                    amqp(what, source)
+                };
                 return Err(match cfg.urls[node].password_key() {
                     Some(key) if login_refused && cfg.urls[node].login_refused(Login::Sql) => {
                         SinkError::PasswordRotating {

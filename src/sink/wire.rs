@@ -120,6 +120,21 @@ pub enum WireError {
 }
 
 impl WireError {
+    /// The connection ended without a word from the broker (a reset, a
+    /// close): what a broker that refuses a client certificate after a
+    /// TLS 1.3 handshake may do instead of sending its alert.
+    pub fn ended_unsaid(&self) -> bool {
+        use io::ErrorKind as K;
+        match self {
+            WireError::Io(e) => matches!(
+                e.kind(),
+                K::ConnectionReset | K::UnexpectedEof | K::BrokenPipe | K::ConnectionAborted
+            ),
+            WireError::Eof => true,
+            _ => false,
+        }
+    }
+
     /// The AMQP reply code, when the broker closed something.
     pub fn code(&self) -> Option<u16> {
         match self {

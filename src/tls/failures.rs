@@ -154,10 +154,11 @@ pub fn postgres_failure(f: &TlsFailure, url: &str, mode: SslMode) -> String {
              (postgres.sslmode is {mode})"
         ),
         TlsFailure::ClientCertRefused(d) => format!(
-            "{what}: the server refused the relay's client certificate ({d}); set \
-             postgres.cert_file and key_file (or sslcert= and sslkey= in postgres.url) to a \
-             certificate that is valid now and signed by a CA the server trusts (its \
-             ssl_ca_file)"
+            "{what}: the server refused the relay's client certificate, or the lack of one \
+             ({d}); set postgres.cert_file and key_file (or sslcert= and sslkey= in \
+             postgres.url) to a certificate that is valid now and signed by a CA the server \
+             trusts (its ssl_ca_file); if it is, look at the server's clock and its \
+             ssl_crl_file"
         ),
         TlsFailure::NoServerTls => format!(
             "{what}: the server does not accept TLS connections (ssl = off); enable ssl on the \
@@ -198,9 +199,10 @@ pub fn rabbitmq_failure(f: &TlsFailure, url: &str) -> String {
             format!("{what}: the broker certificate is not valid now ({d}); renew it")
         }
         TlsFailure::ClientCertRefused(d) => format!(
-            "{what}: the broker refused the relay's client certificate ({d}); set \
-             rabbitmq.cert_file and key_file to a certificate that is valid now and signed by \
-             a CA the broker trusts (its ssl_options.cacertfile)"
+            "{what}: the broker refused the relay's client certificate, or the lack of one \
+             ({d}); set rabbitmq.cert_file and key_file to a certificate that is valid now and \
+             signed by a CA the broker trusts (its ssl_options.cacertfile); if it is, look at \
+             the broker's clock and its CRL settings"
         ),
         TlsFailure::NoServerTls
         | TlsFailure::Config(_)

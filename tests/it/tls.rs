@@ -306,6 +306,24 @@ async fn rabbitmq_external_logs_in_with_the_client_certificate() {
     }
     stop(relay, &log);
 
+    // `run` with the expired certificate retries (the reset says nothing
+    // for sure), each attempt's line naming the certificate's setting.
+    cfg.write(&pg_url, "", &external, &with(&old_cert, &old_key));
+    let (relay, log) = cfg.spawn_with(&[("OUTBOX_RELAY_LOG", "debug")]);
+    let end = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("with the client certificate") && text.contains("rabbitmq.cert_file") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "no attempt named rabbitmq.cert_file; log:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop(relay, &log);
+
     // Refused at load: EXTERNAL without a certificate, a certificate
     // without TLS.
     cfg.write(&pg_url, "", &external, &format!("ca_file = \"{ca}\""));
