@@ -245,14 +245,20 @@ impl Fixture {
 
     /// `pg_terminate_backend` of the walsender streaming the slot; returns
     /// its pid, or `None` when nobody streams it.
+    ///
+    /// The call is in the select list, run for the filtered row only: in
+    /// the WHERE clause PostgreSQL may evaluate it before `slot_name = $1`,
+    /// and it terminated every other test's slot holder (two `setup`s
+    /// creating their slots, in a `make test` run).
     pub async fn terminate_walsender(&self, pg: &Client) -> Option<i32> {
         pg.query_opt(
-            "SELECT active_pid FROM pg_replication_slots \
-             WHERE slot_name = $1 AND active_pid IS NOT NULL AND pg_terminate_backend(active_pid)",
+            "SELECT active_pid, pg_terminate_backend(active_pid) FROM pg_replication_slots \
+             WHERE slot_name = $1 AND active_pid IS NOT NULL",
             &[&self.slot],
         )
         .await
         .expect("terminating the walsender")
+        .filter(|r| r.get::<_, bool>(1))
         .map(|r| r.get(0))
     }
 
