@@ -33,7 +33,7 @@ use tracing::{info, warn};
 use wire::{Event, Target, Wire, WireError};
 
 /// What a connect that the broker ended unsaid was, when the relay
-/// presented a client certificate.
+/// presented a client certificate (`check` tells it by this text).
 pub const CLOSED_WITH_CERT: &str = "connecting to RabbitMQ with the client certificate \
      (if the broker refuses it, expired or signed by a CA it does not trust, it may just close \
      the connection: check rabbitmq.cert_file)";

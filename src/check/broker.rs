@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::config::shown_url;
 use crate::sink::wire::WireError;
 use crate::sink::{AmqpSink, SinkError};
-use amq_protocol::uri::{AMQPScheme, SASLMechanism};
+use amq_protocol::uri::SASLMechanism;
 
 /// What the broker check says about a failure to connect as `user` to
 /// `vhost`.
@@ -93,7 +93,6 @@ pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<A
         Err(_) => return (Line::fail(what, crate::redact::NOT_A_URL), None),
     };
     let external = uri.query.auth_mechanism == Some(SASLMechanism::External);
-    let with_cert = cfg.rabbitmq.client_cert.is_some() && uri.scheme == AMQPScheme::AMQPS;
     let (user, vhost) = (uri.authority.userinfo.username, uri.vhost);
     let open = AmqpSink::open_node(&cfg.rabbitmq, node, "outbox-relay check");
     let failed = match tokio::time::timeout(CHECK_TIMEOUT, open).await {
@@ -126,10 +125,12 @@ pub(super) async fn broker_connect(cfg: &Config, node: usize) -> (Line, Option<A
     let password_key = cfg.rabbitmq.urls[node].password_key();
     let mut why = describe_amqp_error(&failed, &user, &vhost, password_key);
     // A broker that refuses a client certificate under TLS 1.3 may just
-    // reset the connection after the handshake: the alert is not seen.
-    if with_cert
-        && let SinkError::Amqp { source, .. } = &failed
-        && source.ended_unsaid()
+    // reset the connection after the handshake: the alert is not seen
+    // (the connect says so in what it was doing).
+    if let SinkError::Amqp {
+        what: crate::sink::CLOSED_WITH_CERT,
+        ..
+    } = &failed
     {
         why.push_str(
             " Or the broker refused the relay's client certificate and closed the \
