@@ -37,10 +37,12 @@ use prometheus_client::metrics::counter::Counter;
 use crate::metrics::{ChannelLabel, Metrics, Outcome, OutcomeLabel};
 use crate::outbox::OutboxEvent;
 
+mod answers;
 #[cfg(test)]
 mod fake;
 mod inflight;
 mod settle;
+use answers::Answers;
 use inflight::{
     ConfirmClock, Content, InFlight, Sizes, after, fit_dead_letter, retry_delay, unix_now_us,
 };
@@ -97,6 +99,8 @@ struct Publisher<'a> {
     /// The publishing channels' own state, one per `rabbitmq.channels`
     /// (the connections themselves are passed in beside).
     lanes: Vec<Lane>,
+    /// The channels due for a look for answers.
+    answers: Answers,
     /// The channel whose answers are looked at first, in turn.
     turn: usize,
     /// The channel whose connection failed (an error from its answers).
@@ -178,27 +182,6 @@ fn lane_of(ev: &OutboxEvent, lanes: usize) -> usize {
     (h % lanes as u64) as usize
 }
 
-/// The next answer from any of `sinks`, and whose, starting with
-/// `first`'s (in turn, so that no channel's answers wait behind a busy
-/// one's). Each channel's [`Broker::answer`] future is made and dropped
-/// per poll: it is cancel-safe, and the wakers it registered stay.
-fn any_answer<S: Broker>(
-    sinks: &mut [S],
-    first: usize,
-) -> impl Future<Output = (usize, Result<Event, SinkError>)> + '_ {
-    std::future::poll_fn(move |cx| {
-        let n = sinks.len();
-        for k in 0..n {
-            let i = (first + k) % n;
-            let answer = std::pin::pin!(sinks[i].answer());
-            if let std::task::Poll::Ready(r) = answer.poll(cx) {
-                return std::task::Poll::Ready((i, r));
-            }
-        }
-        std::task::Poll::Pending
-    })
-}
-
 type Retry = std::pin::Pin<Box<dyn Future<Output = InFlight> + Send>>;
 
 /// Whether an event's templated exchange is looked for before it is sent.
@@ -270,12 +253,13 @@ impl<'a> Publisher<'a> {
     /// A new event: check it, publish it (encoded straight from the row),
     /// or dead-letter it.
     /// `bytes`: the row's size ([`OutboxEvent::bytes`]), measured once.
+    /// The channel it went to.
     fn publish_event(
         &mut self,
         sinks: &mut [impl Broker],
         ev: OutboxEvent,
         bytes: usize,
-    ) -> Result<(), PublishError> {
+    ) -> Result<usize, PublishError> {
         let seq = self.cp.publish()?;
         self.sent += 1;
         let commit_time_us = ev.commit_time_us;
@@ -291,8 +275,9 @@ impl<'a> Publisher<'a> {
             commit_time_us,
         );
         f.lane = lane;
+        self.answers.touch(lane);
         let sent = self.send_event(&mut sinks[lane], f, Verify::First);
-        self.blame(lane, sent)
+        self.blame(lane, sent).map(|()| lane)
     }
 
     /// `r`, and, if it failed, `lane` as the channel the session failed on
@@ -578,14 +563,20 @@ impl<'a> Publisher<'a> {
         Ok(())
     }
 
-    /// A new item from the source, in WAL order.
-    fn on_item(&mut self, sinks: &mut [impl Broker], item: Item) -> Result<(), PublishError> {
+    /// A new item from the source, in WAL order; the channel it went to,
+    /// if it is an event.
+    fn on_item(
+        &mut self,
+        sinks: &mut [impl Broker],
+        item: Item,
+    ) -> Result<Option<usize>, PublishError> {
+        let mut lane = None;
         match item {
             Item::Begin { commit_time_us } => self.cp.begin(commit_time_us)?,
             Item::Event(ev) => {
                 let bytes = ev.bytes();
                 self.budget.give_back(ByteBudget::cost_of(bytes));
-                self.publish_event(sinks, ev, bytes)?
+                lane = Some(self.publish_event(sinks, ev, bytes)?);
             }
             Item::Commit { end_lsn } => {
                 let moved = self.cp.commit(end_lsn)?;
@@ -596,7 +587,7 @@ impl<'a> Publisher<'a> {
                 self.advance(moved);
             }
         }
-        Ok(())
+        Ok(lane)
     }
 
     /// `queued`: items waiting in the queue from the source.
@@ -704,6 +695,7 @@ pub async fn run<S: Broker>(
         cp: Checkpoint::new(start),
         watermark,
         lanes: (0..sinks.len()).map(|_| Lane::default()).collect(),
+        answers: Answers::new(sinks.len()),
         turn: 0,
         failed_lane: None,
         settled: Vec::new(),
@@ -787,7 +779,7 @@ impl Publisher<'_> {
                 _ = self.gauges.tick() => self.on_tick(items.len())?,
                 // 2. Broker answers: they free the window and move the
                 // watermark (waiting for them writes what is queued).
-                (lane, ev) = any_answer(sinks, first) => match ev {
+                (lane, ev) = self.answers.next(sinks, first) => match ev {
                     Ok(ev) => {
                         let r = self.on_broker(lane, ev);
                         self.blame(lane, r)?;
@@ -796,6 +788,8 @@ impl Publisher<'_> {
                     // can be.
                     Err(e) => {
                         self.failed_lane = Some(lane);
+                        // Reopening polls it with the loop's own waker.
+                        self.answers.touch(lane);
                         self.route_around(&mut sinks[lane], lane, e).await?;
                         self.failed_lane = None;
                     }
@@ -804,6 +798,7 @@ impl Publisher<'_> {
                 // has its answer.
                 () = std::future::ready(()), if releasable.is_some() => {
                     let lane = releasable.expect("guarded");
+                    self.answers.touch(lane);
                     let r = self.release(&mut sinks[lane], lane);
                     self.blame(lane, r)?;
                 }
@@ -811,6 +806,7 @@ impl Publisher<'_> {
                 Some(f) = self.retries.next(), if !self.retries.is_empty() && !blocked && !flushing => {
                     let env = f.envelope()?;
                     let lane = f.lane;
+                    self.answers.touch(lane);
                     let r = self.launch(&mut sinks[lane], f, env);
                     self.blame(lane, r)?;
                 }
@@ -854,21 +850,35 @@ impl Publisher<'_> {
     /// While the publisher is careful (a session after one failed on its
     /// head) one message at a time is in flight in all.
     fn room(&self, sinks: &[impl Broker]) -> bool {
-        let full_window = self.cfg.window as u64;
+        self.room_in_all() && (0..self.lanes.len()).all(|lane| self.room_in(lane, &sinks[lane]))
+    }
+
+    /// [`Publisher::room`] after an item given that there was room before
+    /// it: only the channel the item went to (if any) can have filled up.
+    fn room_after(&self, sinks: &[impl Broker], lane: Option<usize>) -> bool {
+        self.room_in_all() && lane.is_none_or(|lane| self.room_in(lane, &sinks[lane]))
+    }
+
+    /// What [`Publisher::room`] asks of all channels together.
+    fn room_in_all(&self) -> bool {
         let careful = self.sent < self.refusals.careful_for;
         self.open
             && !self.blocked
             && (!careful || self.cp.in_flight() == 0)
             && (self.held < self.cfg.window_bytes || self.cp.in_flight() == 0)
-            && self.lanes.iter().zip(sinks).all(|(l, s)| {
-                l.held_back.is_none()
-                    && l.in_flight < full_window
-                    // One message left unanswered while the rest are
-                    // confirmed must not grow the tag list without bound:
-                    // publishing pauses, and the confirm deadline ends it.
-                    && l.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
-                    && !s.wants_flush()
-            })
+    }
+
+    /// What [`Publisher::room`] asks of channel `lane`.
+    fn room_in(&self, lane: usize, sink: &impl Broker) -> bool {
+        let full_window = self.cfg.window as u64;
+        let l = &self.lanes[lane];
+        l.held_back.is_none()
+            && l.in_flight < full_window
+            // One message left unanswered while the rest are confirmed
+            // must not grow the tag list without bound: publishing
+            // pauses, and the confirm deadline ends it.
+            && l.unconfirmed.span() < SPAN_WINDOWS * full_window as usize
+            && !sink.wants_flush()
     }
 
     /// Once a second: the gauges, and the deadline of the oldest answer
@@ -926,13 +936,15 @@ impl Publisher<'_> {
             self.close();
             return Ok(());
         };
-        self.on_item(sinks, item)?;
+        // There was room for the first (the loop's guard): after each,
+        // only the channel it went to can have filled up.
+        let mut lane = self.on_item(sinks, item)?;
         for _ in 1..BATCH {
-            if !self.room(sinks) {
+            if !self.room_after(sinks, lane) {
                 break;
             }
             match items.try_recv() {
-                Ok(item) => self.on_item(sinks, item)?,
+                Ok(item) => lane = self.on_item(sinks, item)?,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     self.close();
