@@ -198,7 +198,14 @@ pub trait Broker {
     /// Queues a passive declare of `exchange`; the answer comes from
     /// [`Broker::answer`] as [`Event::Exchange`].
     fn look_for(&mut self, exchange: &str) -> Result<(), SinkError>;
-    /// The next answer, writing what is queued meanwhile.
+    /// The next answer, writing what is queued meanwhile. Cancel-safe,
+    /// and what it registers stays registered when it is dropped (the
+    /// socket's and the heartbeat timer's wakers, held by the connection,
+    /// not by the future): once polled `Pending` it is ready again only
+    /// after waking the waker it was polled with, or after a call on the
+    /// connection (a publish, a passive declare, a reopen). The publisher
+    /// looks only at the connections woken or called since
+    /// (`publisher/answers.rs`).
     fn answer(&mut self) -> impl Future<Output = Result<Event, SinkError>> + Send;
     /// Opens the publishing channel again after the broker closed it.
     fn reopen(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;

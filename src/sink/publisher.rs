@@ -253,7 +253,7 @@ impl<'a> Publisher<'a> {
     /// A new event: check it, publish it (encoded straight from the row),
     /// or dead-letter it.
     /// `bytes`: the row's size ([`OutboxEvent::bytes`]), measured once.
-    /// The channel it went to.
+    /// Returns the channel it went to.
     fn publish_event(
         &mut self,
         sinks: &mut [impl Broker],
@@ -275,8 +275,8 @@ impl<'a> Publisher<'a> {
             commit_time_us,
         );
         f.lane = lane;
-        self.answers.touch(lane);
-        let sent = self.send_event(&mut sinks[lane], f, Verify::First);
+        let sink = self.answers.sink(sinks, lane);
+        let sent = self.send_event(sink, f, Verify::First);
         self.blame(lane, sent).map(|()| lane)
     }
 
@@ -686,6 +686,7 @@ pub async fn run<S: Broker>(
     // on a connection that must wait), whatever the last one ended in: a
     // gauge left at 1 would keep `/readyz` at 503 and the alert firing.
     metrics.blocked.set(0);
+    assert!(!sinks.is_empty(), "at least one publishing channel");
     let mut p = Publisher {
         published: outcome(Outcome::published),
         dead_lettered: outcome(Outcome::dead_lettered),
@@ -713,7 +714,6 @@ pub async fn run<S: Broker>(
         blocked: false,
         gauges: tokio::time::interval(Duration::from_secs(1)),
     };
-    assert!(!sinks.is_empty(), "at least one publishing channel");
     let r = p.run(sinks, &mut items).await;
     let lane = p.failed_lane.take();
     // Between sessions nothing is blocked: the next connection is asked anew.
@@ -788,9 +788,8 @@ impl Publisher<'_> {
                     // can be.
                     Err(e) => {
                         self.failed_lane = Some(lane);
-                        // Reopening polls it with the loop's own waker.
-                        self.answers.touch(lane);
-                        self.route_around(&mut sinks[lane], lane, e).await?;
+                        let sink = self.answers.sink(sinks, lane);
+                        self.route_around(sink, lane, e).await?;
                         self.failed_lane = None;
                     }
                 },
@@ -798,16 +797,16 @@ impl Publisher<'_> {
                 // has its answer.
                 () = std::future::ready(()), if releasable.is_some() => {
                     let lane = releasable.expect("guarded");
-                    self.answers.touch(lane);
-                    let r = self.release(&mut sinks[lane], lane);
+                    let sink = self.answers.sink(sinks, lane);
+                    let r = self.release(sink, lane);
                     self.blame(lane, r)?;
                 }
                 // 4. Retries whose delay is over.
                 Some(f) = self.retries.next(), if !self.retries.is_empty() && !blocked && !flushing => {
                     let env = f.envelope()?;
                     let lane = f.lane;
-                    self.answers.touch(lane);
-                    let r = self.launch(&mut sinks[lane], f, env);
+                    let sink = self.answers.sink(sinks, lane);
+                    let r = self.launch(sink, f, env);
                     self.blame(lane, r)?;
                 }
                 // 5. New WAL, while there is room.
@@ -940,7 +939,9 @@ impl Publisher<'_> {
         // only the channel it went to can have filled up.
         let mut lane = self.on_item(sinks, item)?;
         for _ in 1..BATCH {
-            if !self.room_after(sinks, lane) {
+            let room = self.room_after(sinks, lane);
+            debug_assert_eq!(room, self.room(sinks), "room after an item, on {lane:?}");
+            if !room {
                 break;
             }
             match items.try_recv() {

@@ -8,7 +8,7 @@
 //!
 //! - woken since they were last looked at (bytes to read, room to write,
 //!   a heartbeat due);
-//! - touched by the loop since ([`Answers::touch`]: a publish queued bytes
+//! - touched by the loop since ([`Answers::sink`]: a publish queued bytes
 //!   to write, a passive declare, a channel reopened with another waker);
 //! - answered at their last look (more may be buffered).
 //!
@@ -81,10 +81,14 @@ impl Answers {
         }
     }
 
-    /// The loop did something to channel `lane` (queued bytes, asked a
-    /// question, reopened it): it is due for a look.
-    pub(super) fn touch(&mut self, lane: usize) {
+    /// Channel `lane`, for the loop to do something to (queue bytes, ask
+    /// a question, reopen it): it is due for a look from now on. Outside a
+    /// look the loop reaches a channel mutably only through here: one
+    /// changed behind its back could hold an answer no waker announces,
+    /// unread until the confirm deadline ends the session.
+    pub(super) fn sink<'s, S>(&mut self, sinks: &'s mut [S], lane: usize) -> &'s mut S {
         self.due |= 1 << lane;
+        &mut sinks[lane]
     }
 
     /// The next answer from any of `sinks` that is due, and whose, starting

@@ -47,6 +47,15 @@ struct Fake {
     /// The exchange of each, in the same order.
     exchanges: Vec<String>,
     answers: VecDeque<Result<Event, SinkError>>,
+    /// When each of `answers` arrives, with a [`Fake::latency`]: the
+    /// channel's waker is woken then, as a socket's would be.
+    arrives: VecDeque<tokio::time::Instant>,
+    /// Zero: each answer is there at once, without a wake.
+    latency: Duration,
+    /// Set to when the next answer arrives. The fake's own, as a
+    /// connection's socket and heartbeat timer are: what it registered
+    /// stays when an answer's future is dropped.
+    timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     script: Script,
     next_tag: u64,
 }
@@ -57,8 +66,21 @@ impl Fake {
             published: Vec::new(),
             exchanges: Vec::new(),
             answers: VecDeque::new(),
+            arrives: VecDeque::new(),
+            latency: Duration::ZERO,
+            timer: None,
             script,
             next_tag: 1,
+        }
+    }
+
+    /// Answers that arrive `latency` after their publish, each announced
+    /// by a wake (a timer's), as the broker's come.
+    fn late(script: Script, latency: Duration) -> Fake {
+        Fake {
+            latency,
+            timer: Some(Box::pin(tokio::time::sleep(Duration::ZERO))),
+            ..Fake::new(script)
         }
     }
 
@@ -67,6 +89,7 @@ impl Fake {
         self.published.push(id.to_owned());
         let tag = self.next_tag;
         self.next_tag += 1;
+        let answered = self.answers.len();
         let ack = Event::Ack {
             tag,
             multiple: false,
@@ -90,6 +113,8 @@ impl Fake {
             Answer::Silent => {}
             Answer::Lose => self.answers.push_back(Err(SinkError::Disconnected)),
         }
+        let at = tokio::time::Instant::now() + self.latency;
+        (self.arrives).extend((answered..self.answers.len()).map(|_| at));
         self.exchanges.push(exchange);
         tag
     }
@@ -118,6 +143,14 @@ impl Broker for Fake {
         unreachable!("the tests' exchange is literal")
     }
     async fn answer(&mut self) -> Result<Event, SinkError> {
+        if let (Some(timer), Some(&at)) = (&mut self.timer, self.arrives.front()) {
+            if timer.deadline() != at {
+                timer.as_mut().reset(at);
+            }
+            // Cancel-safe: taken only once it is due.
+            timer.as_mut().await;
+        }
+        self.arrives.pop_front();
         match self.answers.pop_front() {
             Some(ev) => ev,
             None => std::future::pending().await,
@@ -514,6 +547,58 @@ async fn two_channels_keep_each_aggregate_on_one_in_commit_order() {
     assert_eq!(fakes[0].published, ["a0", "a1", "a2"]);
     assert_eq!(fakes[1].published, ["b0", "b1", "b2"]);
     assert_eq!(lsn, Lsn(200));
+}
+
+/// Answers that come later, each announced by a wake of its own channel
+/// only (a timer's, as a socket's would be): with four channels, every
+/// event is confirmed and reported, each channel's in commit order. (The
+/// loop looks only at the channels woken or written to: one written to
+/// and not looked at again would never be woken, and the run would not
+/// end.)
+#[tokio::test(start_paused = true)]
+async fn answers_that_come_later_wake_their_own_channel() {
+    let cfg = config_with(8, "channels = 4\n");
+    let mut items = Vec::new();
+    let ids: Vec<String> = (0..64).map(|i| format!("e{i}")).collect();
+    let aggregates: Vec<String> = (0..64).map(|i| format!("agg-{}", i % 11)).collect();
+    for t in 0..16 {
+        let events: Vec<(&str, &str)> = (4 * t..4 * t + 4)
+            .map(|i| (ids[i].as_str(), aggregates[i].as_str()))
+            .collect();
+        items.extend(transaction_of(&cfg, &events, 100 * (t as u64 + 1)));
+    }
+    let mut expected: Vec<Vec<String>> = vec![Vec::new(); 4];
+    for item in &items {
+        if let Item::Event(ev) = item {
+            let id = std::str::from_utf8(ev.value(0).unwrap())
+                .unwrap()
+                .to_owned();
+            expected[super::lane_of(ev, 4)].push(id);
+        }
+    }
+    assert!(
+        expected.iter().all(|e| !e.is_empty()),
+        "every channel has events: {expected:?}"
+    );
+    let fakes = (0..4u64)
+        .map(|i| {
+            let latency = Duration::from_millis(1 + 3 * i);
+            Fake::late(Box::new(|_, _, _| Answer::Ack), latency)
+        })
+        .collect();
+    let (fakes, lsn, r) = publish_on(
+        &cfg,
+        items,
+        fakes,
+        Duration::from_secs(60),
+        Refusals::default(),
+    )
+    .await;
+    finished_ok(r);
+    for (fake, expected) in fakes.iter().zip(&expected) {
+        assert_eq!(&fake.published, expected);
+    }
+    assert_eq!(lsn, Lsn(1600));
 }
 
 /// One watermark: a channel that does not answer holds the position back
