@@ -511,12 +511,23 @@ async fn standbys(cfg: &Config, primary: &Client) -> Vec<Line> {
         .await
         .map(|r| r.get(0))
         .ok();
+    // None: unread (then a standby's cluster is not compared).
+    let cluster: Option<String> = primary
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .map(|r| r.get(0))
+        .ok();
     // All at once, each within STANDBY_TIMEOUT (connect and read): the
     // slot's own lines are under CHECK_TIMEOUT.
     let reads = cfg.postgres.targets.iter().map(|target| {
         let guarded = guarded.as_deref();
+        let cluster = cluster.as_deref();
         async move {
-            match tokio::time::timeout(STANDBY_TIMEOUT, standby(cfg, target, guarded)).await {
+            let read = standby(cfg, target, guarded, cluster);
+            match tokio::time::timeout(STANDBY_TIMEOUT, read).await {
                 Ok(line) => line,
                 Err(_) => Some(Line::warn(
                     format!("standby {target}"),
@@ -538,11 +549,13 @@ async fn standbys(cfg: &Config, primary: &Client) -> Vec<Line> {
 /// How long `check` waits for each standby.
 const STANDBY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// [`standbys`]' line for `target`; `None` for the primary.
+/// [`standbys`]' line for `target`; `None` for the primary. `cluster`:
+/// the primary's system identifier, when read.
 async fn standby(
     cfg: &Config,
     target: &crate::pgurl::PgTarget,
     guarded: Option<&str>,
+    cluster: Option<&str>,
 ) -> Option<Line> {
     let slot = &cfg.postgres.slot;
     let what = format!("standby {target}");
@@ -565,7 +578,8 @@ async fn standby(
              current_setting('hot_standby_feedback'), current_setting('primary_slot_name'), \
              (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
                  AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
-              FROM pg_replication_slots s WHERE slot_name = $1)",
+              FROM pg_replication_slots s WHERE slot_name = $1), \
+             (SELECT system_identifier::text FROM pg_control_system())",
             &[slot],
         )
         .await;
@@ -580,6 +594,17 @@ async fn standby(
     };
     if !row.get::<_, bool>(0) {
         return None; // the primary
+    }
+    let theirs: String = row.get(5);
+    if let Some(ours) = cluster.filter(|ours| *ours != theirs) {
+        return Some(Line::fail(
+            what,
+            format!(
+                "in recovery, but of another cluster (system identifier {theirs}, the \
+                 primary's {ours}): it never holds this primary's slot, and were it promoted \
+                 the relay would connect to another database; take it out of postgres.url"
+            ),
+        ));
     }
     let (sync, feedback, primary_slot): (String, String, String) =
         (row.get(1), row.get(2), row.get(3));

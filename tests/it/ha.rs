@@ -35,7 +35,7 @@ pub(crate) async fn harness_async(args: Vec<String>) {
 
 /// The variables of `$OUTBOX_IT_DIR/<rel>` (`export K=V`, V as printf %q
 /// writes it: the URLs here only have commas escaped).
-fn env_file(rel: &str) -> HashMap<String, String> {
+pub(crate) fn env_file(rel: &str) -> HashMap<String, String> {
     let dir = std::env::var("OUTBOX_IT_DIR").expect("OUTBOX_IT_DIR");
     let text = std::fs::read_to_string(format!("{dir}/{rel}")).unwrap();
     text.lines()
@@ -308,7 +308,7 @@ pub(crate) fn pgha(name: &str, what: &str) -> Vec<String> {
 }
 
 /// `host:port` of a single-host URL.
-fn host_port(url: &str) -> &str {
+pub(crate) fn host_port(url: &str) -> &str {
     let rest = url.split_once('@').map_or(url, |(_, r)| r);
     rest.split_once('/').map_or(rest, |(h, _)| h)
 }
