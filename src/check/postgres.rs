@@ -502,24 +502,14 @@ pub(super) async fn replication_slot(
 /// `hot_standby_feedback`, `primary_slot_name`, named in the primary's
 /// `synchronized_standby_slots`), read on the standby itself.
 async fn standbys(cfg: &Config, primary: &Client) -> Vec<Line> {
+    let read = async |sql: &str| -> Option<String> {
+        primary.query_one(sql, &[]).await.map(|r| r.get(0)).ok()
+    };
     // None: unread (then nothing is said of it).
-    let guarded: Option<String> = primary
-        .query_one(
-            "SELECT coalesce(current_setting('synchronized_standby_slots', true), '')",
-            &[],
-        )
-        .await
-        .map(|r| r.get(0))
-        .ok();
+    let guarded =
+        read("SELECT coalesce(current_setting('synchronized_standby_slots', true), '')").await;
     // None: unread (then a standby's cluster is not compared).
-    let cluster: Option<String> = primary
-        .query_one(
-            "SELECT system_identifier::text FROM pg_control_system()",
-            &[],
-        )
-        .await
-        .map(|r| r.get(0))
-        .ok();
+    let cluster = read("SELECT system_identifier::text FROM pg_control_system()").await;
     // All at once, each within STANDBY_TIMEOUT (connect and read): the
     // slot's own lines are under CHECK_TIMEOUT.
     let reads = cfg.postgres.targets.iter().map(|target| {
