@@ -17,7 +17,7 @@
 //! | why a session ended | [`error`]: retry or stop, wrapping the source's and the sink's errors |
 //! | the two sides | [`source`]: the stream's half of a session, slot, publication, checkpoint table; [`sink`]: the AMQP client and the publishing half (neither uses the other) |
 //! | what they share | [`handoff`]: the items from source to sink and their byte budget; [`outbox`]: relation cache, outbox INSERT or logical message -> event; [`message`]: event -> AMQP message; [`template`]: `{column}` templates; [`checkpoint`]: the confirmed-LSN watermark and [`checkpoint::Progress`]; [`pgoutput`]: the wire format |
-//! | foundations | [`config`]: validated configuration; [`tls`]: sslmode and CAs; [`pgurl`]: PostgreSQL URLs; [`redact`]: masking secrets; [`logtext`]: row text in logs; [`metrics`] and [`http`]: metrics, health; [`lsn`]: WAL positions |
+//! | foundations | [`config`]: validated configuration; [`tls`]: sslmode and CAs; [`pgurl`]: PostgreSQL URLs; [`redact`]: masking secrets; [`smallfile`]: reading password and certificate files; [`logtext`]: row text in logs; [`metrics`] and [`http`]: metrics, health; [`lsn`]: WAL positions |
 //!
 //! # LSN invariants
 //!
@@ -57,6 +57,7 @@ pub mod recover;
 pub(crate) mod redact;
 pub(crate) mod relay;
 pub mod sink;
+pub(crate) mod smallfile;
 pub mod source;
 pub(crate) mod template;
 pub mod tls;

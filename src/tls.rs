@@ -40,6 +40,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
+use crate::smallfile;
+
 /// libpq's `sslmode`, for both PostgreSQL connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SslMode {
@@ -123,8 +125,7 @@ pub fn load_ca_file(path: &Path) -> Result<Vec<CertificateDer<'static>>, String>
 
 /// The file's text and its certificates.
 fn read_ca_file(path: &Path) -> Result<(String, Vec<CertificateDer<'static>>), String> {
-    let pem = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let pem = smallfile::read_text(path, smallfile::PEM_LIMIT)?;
     let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("{} is not a PEM file: {e}", path.display()))?;
@@ -240,8 +241,7 @@ impl ClientCert {
         String,
     > {
         let (cert, key) = (&self.cert_file, &self.key_file);
-        let pem =
-            std::fs::read(cert).map_err(|e| format!("cannot read {}: {e}", cert.display()))?;
+        let pem = smallfile::read(cert, smallfile::PEM_LIMIT)?;
         let chain = CertificateDer::pem_slice_iter(&pem)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| format!("{} is not a PEM file: {e}", cert.display()))?;
@@ -251,7 +251,7 @@ impl ClientCert {
                 cert.display()
             ));
         }
-        let pem = std::fs::read(key).map_err(|e| format!("cannot read {}: {e}", key.display()))?;
+        let pem = smallfile::read(key, smallfile::PEM_LIMIT)?;
         let key_der = rustls::pki_types::PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
             format!(
                 "{} holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}",

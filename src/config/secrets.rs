@@ -120,8 +120,8 @@ impl PasswordFile {
 /// every byte of it (spaces too), and at most one line ending (`\n` or
 /// `\r\n`) after it.
 fn read_password(key: &str, file: &str, warn: bool) -> Result<String, ConfigError> {
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| key_err(key, format!("cannot read {file}: {e}")))?;
+    let text = crate::smallfile::read_text(Path::new(file), crate::smallfile::PASSWORD_LIMIT)
+        .map_err(|e| key_err(key, e))?;
     if let Some(warning) = warn
         .then(|| password_file_warning(key, Path::new(file)))
         .flatten()

@@ -593,6 +593,41 @@ fn require_auth_comes_from_the_config_or_the_url() {
 
 /// A password file is read again at every connect; a bad read keeps the
 /// password read last; refusals are retried for `ROTATION_GRACE` after
+/// A password file replaced by a pipe (or a device) after load: the next
+/// connect goes on with the password read before, at once, instead of
+/// waiting forever for a writer on the runtime's one thread; named so at
+/// load, it is refused with the setting's name.
+#[test]
+fn a_password_file_that_becomes_a_pipe_does_not_hang_a_connect() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("pw");
+    std::fs::write(&f, "one\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let file = PasswordFile::open("postgres.password_file", f.to_str().unwrap()).unwrap();
+    std::fs::remove_file(&f).unwrap();
+    let status = std::process::Command::new("mkfifo")
+        .arg(&f)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(file.apply("postgres://relay@db/app")));
+    let url = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("apply returns without waiting on the pipe");
+    assert_eq!(url, "postgres://relay:one@db/app");
+
+    let err = PasswordFile::open("postgres.password_file", f.to_str().unwrap()).unwrap_err();
+    let err = err.to_string();
+    assert!(
+        err.contains("postgres.password_file") && err.contains("is a pipe, not a regular file"),
+        "{err}"
+    );
+    let err = PasswordFile::open("rabbitmq.password_file", "/dev/zero").unwrap_err();
+    assert!(err.to_string().contains("character device"), "{err}");
+}
+
 /// the first in a row, and a login the server took starts over.
 #[test]
 fn a_password_file_is_read_again_and_refusals_have_a_grace() {
