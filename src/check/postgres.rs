@@ -466,10 +466,11 @@ pub(super) async fn replication_slot(
         ),
         (false, false) => Line::warn(format!("{what} across a failover"), note),
     });
-    // What makes the failover slot survive is set on the standbys: read
-    // theirs (the URL's other hosts).
-    if failover == Some(true) && cfg.postgres.targets.len() > 1 {
-        lines.extend(standbys(cfg, client).await);
+    // The URL's other hosts: each of this cluster, and in recovery; with
+    // a failover slot (17+), what makes it survive is set on the standbys:
+    // read theirs.
+    if cfg.postgres.targets.len() > 1 {
+        lines.extend(hosts(cfg, client, failover == Some(true)).await);
     }
     // 18: a slot no walsender uses for this long is invalidated at the
     // next checkpoint, so a relay stopped (or failing) that long loses it.
@@ -496,35 +497,40 @@ pub(super) async fn replication_slot(
     Ok(lines)
 }
 
-/// A line per standby among the hosts of `postgres.url` (PostgreSQL 17+,
-/// a failover slot): whether it keeps a synchronized, usable copy of the
-/// slot, with the settings that make it one (`sync_replication_slots`,
-/// `hot_standby_feedback`, `primary_slot_name`, named in the primary's
+/// Lines for the hosts of `postgres.url` other than the primary `check`
+/// reached: a host of another cluster, or a second primary of this one,
+/// fails (were it the one reached, the relay would stream another
+/// database, or a primary about to be fenced). With `slot_sync` (a
+/// failover slot, PostgreSQL 17+), a line per standby: whether it keeps
+/// a synchronized, usable copy of the slot, with the settings that make
+/// it one (`sync_replication_slots`, `hot_standby_feedback`,
+/// `primary_slot_name`, named in the primary's
 /// `synchronized_standby_slots`), read on the standby itself.
-async fn standbys(cfg: &Config, primary: &Client) -> Vec<Line> {
+async fn hosts(cfg: &Config, primary: &Client, slot_sync: bool) -> Vec<Line> {
     let read = async |sql: &str| -> Option<String> {
         primary.query_one(sql, &[]).await.map(|r| r.get(0)).ok()
     };
     // None: unread (then nothing is said of it).
-    let guarded =
-        read("SELECT coalesce(current_setting('synchronized_standby_slots', true), '')").await;
-    // None: unread (then a standby's cluster is not compared).
-    let cluster = read("SELECT system_identifier::text FROM pg_control_system()").await;
-    // All at once, each within STANDBY_TIMEOUT (connect and read): the
+    let guarded = match slot_sync {
+        true => {
+            read("SELECT coalesce(current_setting('synchronized_standby_slots', true), '')").await
+        }
+        false => None,
+    };
+    // None: unread (then the hosts' clusters are not compared).
+    let reached = read(&format!("SELECT {IDENTITY}")).await;
+    // All at once, each within HOST_TIMEOUT (connect and read): the
     // slot's own lines are under CHECK_TIMEOUT.
     let reads = cfg.postgres.targets.iter().map(|target| {
         let guarded = guarded.as_deref();
-        let cluster = cluster.as_deref();
+        let reached = reached.as_deref().and_then(Identity::parse);
         async move {
-            let read = standby(cfg, target, guarded, cluster);
-            match tokio::time::timeout(STANDBY_TIMEOUT, read).await {
+            let read = host(cfg, target, reached, guarded, slot_sync);
+            match tokio::time::timeout(HOST_TIMEOUT, read).await {
                 Ok(line) => line,
                 Err(_) => Some(Line::warn(
-                    format!("standby {target}"),
-                    format!(
-                        "no answer within {} s, its settings unread",
-                        STANDBY_TIMEOUT.as_secs()
-                    ),
+                    format!("host {target}"),
+                    format!("no answer within {} s, unread", HOST_TIMEOUT.as_secs()),
                 )),
             }
         }
@@ -536,19 +542,41 @@ async fn standbys(cfg: &Config, primary: &Client) -> Vec<Line> {
         .collect()
 }
 
-/// How long `check` waits for each standby.
-const STANDBY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long `check` waits for each host.
+const HOST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// [`standbys`]' line for `target`; `None` for the primary. `cluster`:
-/// the primary's system identifier, when read.
-async fn standby(
+/// Which server a connection reached, as one text: the cluster's system
+/// identifier, and when the server started (two servers of one cluster,
+/// a primary and a promoted standby, never start in the same
+/// microsecond).
+const IDENTITY: &str = "(SELECT system_identifier::text FROM pg_control_system()) \
+                        || ' ' || pg_postmaster_start_time()::text";
+
+/// A server's [`IDENTITY`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Identity<'a> {
+    cluster: &'a str,
+    started: &'a str,
+}
+
+impl<'a> Identity<'a> {
+    fn parse(text: &'a str) -> Option<Identity<'a>> {
+        let (cluster, started) = text.split_once(' ')?;
+        Some(Identity { cluster, started })
+    }
+}
+
+/// [`hosts`]' line for `target`; `None` for the primary reached
+/// (`reached`, when read), and for a standby of its cluster unless
+/// `slot_sync`.
+async fn host(
     cfg: &Config,
     target: &crate::pgurl::PgTarget,
+    reached: Option<Identity<'_>>,
     guarded: Option<&str>,
-    cluster: Option<&str>,
+    slot_sync: bool,
 ) -> Option<Line> {
     let slot = &cfg.postgres.slot;
-    let what = format!("standby {target}");
     let mut one = cfg.postgres.clone();
     one.targets = vec![target.clone()];
     one.read_write = false;
@@ -556,20 +584,22 @@ async fn standby(
         Ok(c) => c,
         Err(e) => {
             return Some(Line::warn(
-                what,
-                format!("not reachable, its settings unread: {e}"),
+                format!("host {target}"),
+                format!("not reachable, unread: {e}"),
             ));
         }
     };
     let row = client
         .query_one(
-            "SELECT pg_is_in_recovery(), \
-             coalesce(current_setting('sync_replication_slots', true), ''), \
-             current_setting('hot_standby_feedback'), current_setting('primary_slot_name'), \
-             (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
-                 AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
-              FROM pg_replication_slots s WHERE slot_name = $1), \
-             (SELECT system_identifier::text FROM pg_control_system())",
+            &format!(
+                "SELECT pg_is_in_recovery(), \
+                 coalesce(current_setting('sync_replication_slots', true), ''), \
+                 current_setting('hot_standby_feedback'), current_setting('primary_slot_name'), \
+                 (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
+                     AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
+                  FROM pg_replication_slots s WHERE slot_name = $1), \
+                 {IDENTITY}"
+            ),
             &[slot],
         )
         .await;
@@ -577,24 +607,53 @@ async fn standby(
         Ok(r) => r,
         Err(e) => {
             return Some(Line::warn(
-                what,
-                format!("its settings unread: {}", pg_error_text(&e)),
+                format!("host {target}"),
+                format!("unread: {}", pg_error_text(&e)),
             ));
         }
     };
-    if !row.get::<_, bool>(0) {
-        return None; // the primary
+    let in_recovery: bool = row.get(0);
+    let what = match in_recovery {
+        true => format!("standby {target}"),
+        false => format!("host {target}"),
+    };
+    let identity: String = row.get(5);
+    let theirs = Identity::parse(&identity);
+    if let (Some(ours), Some(theirs)) = (reached, theirs) {
+        if ours.cluster != theirs.cluster {
+            let role = match in_recovery {
+                true => "in recovery",
+                false => "a primary",
+            };
+            let promoted = match in_recovery {
+                true => "were it promoted",
+                false => "were it the first read-write host reached",
+            };
+            return Some(Line::fail(
+                what,
+                format!(
+                    "{role}, but of another cluster (system identifier {}, the \
+                     primary's {}): it never holds this primary's slot, and {promoted} \
+                     the relay would connect to another database; take it out of postgres.url",
+                    theirs.cluster, ours.cluster
+                ),
+            ));
+        }
+        if !in_recovery && ours != theirs {
+            return Some(Line::fail(
+                what,
+                format!(
+                    "a second primary of this cluster (system identifier {}, started {}; the \
+                     one reached started {}): an old primary not fenced after a failover? \
+                     The relay connects to the first read-write host of postgres.url, which \
+                     may be this one: stop or demote the one that is not the primary",
+                    theirs.cluster, theirs.started, ours.started
+                ),
+            ));
+        }
     }
-    let theirs: String = row.get(5);
-    if let Some(ours) = cluster.filter(|ours| *ours != theirs) {
-        return Some(Line::fail(
-            what,
-            format!(
-                "in recovery, but of another cluster (system identifier {theirs}, the \
-                 primary's {ours}): it never holds this primary's slot, and were it promoted \
-                 the relay would connect to another database; take it out of postgres.url"
-            ),
-        ));
+    if !in_recovery || !slot_sync {
+        return None;
     }
     let (sync, feedback, primary_slot): (String, String, String) =
         (row.get(1), row.get(2), row.get(3));

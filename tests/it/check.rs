@@ -4,9 +4,11 @@
 //! superuser and for a checkpoint table someone else owns or has put
 //! triggers on; the least-privilege role of `sql/role.sql` relays, cannot
 //! take a base backup, nor write another slot's checkpoint, nor be steered
-//! by its search_path.
+//! by its search_path. A host of `postgres.url` of another cluster, or a
+//! second primary of this one, fails.
 
 use crate::common;
+use crate::ha::{env_file, failover_fixture, harness_async, host_port, pgha};
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -885,4 +887,103 @@ async fn a_role_that_cannot_record_its_checkpoint_is_warned() {
         "{c}"
     );
     fx.cleanup().await;
+}
+
+/// The system identifier of the server at `url`.
+async fn system_identifier(url: &str) -> String {
+    pg_connect_retry_to(url)
+        .await
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// The one line `check` prints on `host` (host:port) as a standby or
+/// another host of `postgres.url`, if any.
+fn host_line(checked: &Checked, host: &str) -> Option<String> {
+    let about = |l: &&str| {
+        l.split_once(' ').is_some_and(|(_, what)| {
+            [format!("standby {host}:"), format!("host {host}:")]
+                .iter()
+                .any(|w| what.starts_with(w.as_str()))
+        })
+    };
+    let mut lines = checked.lines().into_iter().filter(about);
+    let line = lines.next().map(str::to_owned);
+    assert!(lines.next().is_none(), "two lines on {host}:\n{checked}");
+    line
+}
+
+/// The other hosts of `postgres.url` must be this primary's standbys, on
+/// every version: `check` fails on a host of another cluster (in recovery
+/// or read-write; were it promoted, or reached first, the relay would
+/// stream another database), naming both system identifiers, and on a
+/// second primary of this cluster (a promoted standby whose old primary
+/// still runs: which one the relay reaches depends on the order of the
+/// hosts). The pair's own standby is not flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_of_another_cluster_or_a_second_primary_fails() {
+    let name = format!("hc{}", std::process::id());
+    let other = format!("hx{}", std::process::id());
+    let (fx, env) = failover_fixture(&name, "", false).await;
+    harness_async(pgha(&other, "up")).await;
+    let foreign = env_file(&format!("pgha-{other}/env"));
+    let ours = system_identifier(&env["TEST_PGHA_PRIMARY_URL"]).await;
+    let theirs = system_identifier(&foreign["TEST_PGHA_STANDBY_URL"]).await;
+    assert_ne!(ours, theirs, "two clusters, two identifiers");
+    let (head, _) = env["TEST_PGHA_URL"].split_once('@').unwrap();
+    let primary = host_port(&env["TEST_PGHA_PRIMARY_URL"]);
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    let url_line = format!("url = \"{}\"", fx.pg_url);
+    assert!(text.contains(&url_line), "{text}");
+    // `check` with postgres.url = our primary, then `second`.
+    let check_with = |second: &str| {
+        let url = format!("{head}@{primary},{second}/postgres?target_session_attrs=read-write");
+        std::fs::write(
+            &fx.config,
+            text.replace(&url_line, &format!("url = \"{url}\"")),
+        )
+        .unwrap();
+        check(&fx, &[])
+    };
+
+    for (second, role) in [
+        (host_port(&foreign["TEST_PGHA_STANDBY_URL"]), "in recovery"),
+        (host_port(&foreign["TEST_PGHA_PRIMARY_URL"]), "a primary"),
+    ] {
+        let checked = check_with(second);
+        let line = host_line(&checked, second).unwrap_or_else(|| panic!("{checked}"));
+        assert!(
+            line.starts_with("FAIL ")
+                && line.contains(&format!("{role}, but of another cluster"))
+                && line.contains(&format!("system identifier {theirs}"))
+                && line.contains(&format!("the primary's {ours}")),
+            "{line}"
+        );
+        assert_eq!(checked.code, Some(1), "{checked}");
+    }
+
+    // The pair's own standby is this primary's.
+    let standby = host_port(&env["TEST_PGHA_STANDBY_URL"]);
+    let checked = check_with(standby);
+    if let Some(line) = host_line(&checked, standby) {
+        assert!(!line.starts_with("FAIL "), "{line}");
+    }
+    // Promoted while the old primary runs on: two primaries.
+    harness_async(pgha(&name, "promote")).await;
+    let checked = check_with(standby);
+    let line = host_line(&checked, standby).unwrap_or_else(|| panic!("{checked}"));
+    assert!(
+        line.starts_with("FAIL ") && line.contains("a second primary of this cluster"),
+        "{line}"
+    );
+    assert_eq!(checked.code, Some(1), "{checked}");
+    std::fs::write(&fx.config, &text).unwrap();
+    fx.cleanup().await;
+    harness_async(pgha(&other, "down")).await;
+    harness_async(pgha(&name, "down")).await;
 }

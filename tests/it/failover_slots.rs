@@ -11,8 +11,7 @@
 
 use crate::common;
 use crate::ha::{
-    env_file, failover_fixture, harness_async, host_port, log_lines, pgha, producer_spec, tails,
-    wait_streaming_again,
+    failover_fixture, harness_async, log_lines, pgha, producer_spec, tails, wait_streaming_again,
 };
 
 use std::collections::HashSet;
@@ -293,71 +292,4 @@ async fn setup_makes_an_existing_slot_a_failover_slot_in_place() {
         .await;
     relay.stop_ok();
     fx.cleanup().await;
-}
-
-/// A host of `postgres.url` that is in recovery, but a standby of another
-/// cluster, is no standby of this primary: `check` fails on it, naming
-/// both system identifiers, instead of reading its settings as if it could
-/// take over (it could only point the relay at another database).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn check_fails_on_a_standby_of_another_cluster() {
-    let major = server_major().await;
-    if major < 17 {
-        eprintln!("PostgreSQL {major} has no failover slots: check reads no standby");
-        return;
-    }
-    let name = format!("fo{}", std::process::id());
-    let other = format!("fx{}", std::process::id());
-    let (fx, env) = failover_fixture(&name, "", false).await;
-    harness_async(vec!["pgha".into(), "up".into(), other.clone()]).await;
-    let foreign = env_file(&format!("pgha-{other}/env"));
-    // Our primary, and the other pair's standby.
-    let (head, _) = env["TEST_PGHA_URL"].split_once('@').unwrap();
-    let url = format!(
-        "{head}@{},{}/postgres?target_session_attrs=read-write",
-        host_port(&env["TEST_PGHA_PRIMARY_URL"]),
-        host_port(&foreign["TEST_PGHA_STANDBY_URL"])
-    );
-    let text = std::fs::read_to_string(&fx.config).unwrap();
-    let ours = format!("url = \"{}\"", fx.pg_url);
-    assert!(text.contains(&ours), "{text}");
-    std::fs::write(&fx.config, text.replace(&ours, &format!("url = \"{url}\""))).unwrap();
-
-    let line = check_standby_line(&fx);
-    let ids: Vec<String> = {
-        let mut ids = Vec::new();
-        for u in [
-            &env["TEST_PGHA_PRIMARY_URL"],
-            &foreign["TEST_PGHA_STANDBY_URL"],
-        ] {
-            let pg = pg_connect_retry_to(u).await;
-            let row = pg
-                .query_one(
-                    "SELECT system_identifier::text FROM pg_control_system()",
-                    &[],
-                )
-                .await
-                .unwrap();
-            ids.push(row.get(0));
-        }
-        ids
-    };
-    assert_ne!(ids[0], ids[1], "two clusters, two identifiers");
-    assert!(
-        line.starts_with("FAIL ")
-            && line.contains("another cluster")
-            && line.contains(&format!("system identifier {}", ids[1]))
-            && line.contains(&format!("the primary's {}", ids[0])),
-        "{line}"
-    );
-    let out = fx.relay_cmd("check").output().unwrap();
-    assert!(!out.status.success(), "check passed with a foreign standby");
-    // The pair's own standby is still this primary's.
-    let text = std::fs::read_to_string(&fx.config).unwrap();
-    std::fs::write(&fx.config, text.replace(&url, &fx.pg_url)).unwrap();
-    let line = check_standby_line(&fx);
-    assert!(!line.contains("another cluster"), "{line}");
-    fx.cleanup().await;
-    harness_async(pgha(&other, "down")).await;
-    harness_async(pgha(&name, "down")).await;
 }
