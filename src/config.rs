@@ -28,7 +28,7 @@ use env::{apply_env, syntax_message};
 pub use outbox::{OutboxColumns, OutboxConfig, OutboxSource, RESERVED_PREFIX};
 use raw::{RawConfig, RawUrls};
 use secrets::PasswordFile;
-pub use secrets::{Login, ROTATION_GRACE};
+pub use secrets::{Login, ROTATION_GRACE, Rotating};
 use trust::{check_ca_file, postgres_trust};
 pub use types::*;
 
@@ -167,6 +167,23 @@ impl Secret {
     /// refusal in a row.
     pub fn login_refused(&self, login: Login) -> bool {
         self.file.as_ref().is_some_and(|f| f.refused(login))
+    }
+    /// `refusal`, the server's refusal of the password for `login`: made
+    /// `rotating` (tried again) when the password comes from a file and
+    /// [`Secret::login_refused`] says so, else as it is.
+    pub fn refusal<E: std::error::Error + 'static>(
+        &self,
+        login: Login,
+        refusal: E,
+        rotating: impl FnOnce(Rotating<E>) -> E,
+    ) -> E {
+        match self.password_key() {
+            Some(key) if self.login_refused(login) => rotating(Rotating {
+                key,
+                source: Box::new(refusal),
+            }),
+            _ => refusal,
+        }
     }
     /// The server accepted the password: a later refusal starts a new
     /// grace period.

@@ -109,20 +109,11 @@ pub enum SinkError {
         /// The timeout.
         secs: u64,
     },
-    /// The broker refused the password of `rabbitmq.password_file` within
-    /// `ROTATION_GRACE` of the first refusal: a rotation may be under way,
-    /// so the next connect reads the file again.
-    #[error(
-        "{source}; {key} may be in the middle of a rotation: the relay tries again with what \
-         it then holds, for up to {} minutes after the first refusal",
-        crate::config::ROTATION_GRACE.as_secs() / 60
-    )]
-    PasswordRotating {
-        /// The setting the password comes from.
-        key: &'static str,
-        /// The refusal.
-        source: Box<SinkError>,
-    },
+    /// The server refused the password of a `password_file` within
+    /// `ROTATION_GRACE` of the first refusal: the next connect reads the
+    /// file again.
+    #[error(transparent)]
+    PasswordRotating(crate::config::Rotating<SinkError>),
 }
 
 impl SinkError {
@@ -135,7 +126,7 @@ impl SinkError {
             | SinkError::Returned { .. }
             | SinkError::DeadLetterRefused { .. } => Disposition::Stop,
             SinkError::Disconnected
-            | SinkError::PasswordRotating { .. }
+            | SinkError::PasswordRotating(_)
             | SinkError::Timeout(_)
             | SinkError::Nacked { .. }
             | SinkError::ConfirmTimeout { .. } => Disposition::Transient,
@@ -156,7 +147,7 @@ impl SinkError {
     /// earns (`check` reports it, it does not retry).
     pub fn without_rotation(self) -> SinkError {
         match self {
-            SinkError::PasswordRotating { source, .. } => *source,
+            SinkError::PasswordRotating(r) => *r.source,
             other => other,
         }
     }
@@ -351,14 +342,11 @@ impl AmqpSink {
                 } else {
                     amqp(what, source)
                 };
-                return Err(match cfg.urls[node].password_key() {
-                    Some(key) if login_refused && cfg.urls[node].login_refused(Login::Sql) => {
-                        SinkError::PasswordRotating {
-                            key,
-                            source: Box::new(refusal),
-                        }
+                return Err(match login_refused {
+                    true => {
+                        cfg.urls[node].refusal(Login::Sql, refusal, SinkError::PasswordRotating)
                     }
-                    _ => refusal,
+                    false => refusal,
                 });
             }
             Ok(Ok(wire)) => wire,

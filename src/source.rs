@@ -111,20 +111,10 @@ pub enum SourceError {
     #[error(transparent)]
     Stream(#[from] crate::outbox::StreamError),
     /// The server refused the password of a `password_file` within
-    /// `ROTATION_GRACE` of the first refusal: a rotation may be under way
-    /// (the server's password and the file change in either order), so the
-    /// next connect reads the file again.
-    #[error(
-        "{source}; {key} may be in the middle of a rotation: the relay tries again with what \
-         it then holds, for up to {} minutes after the first refusal",
-        crate::config::ROTATION_GRACE.as_secs() / 60
-    )]
-    PasswordRotating {
-        /// The setting the password comes from.
-        key: &'static str,
-        /// The refusal.
-        source: Box<SourceError>,
-    },
+    /// `ROTATION_GRACE` of the first refusal: the next connect reads the
+    /// file again.
+    #[error(transparent)]
+    PasswordRotating(crate::config::Rotating<SourceError>),
 }
 
 impl SourceError {
@@ -160,7 +150,7 @@ impl SourceError {
                 }
             }
             SourceError::Ended
-            | SourceError::PasswordRotating { .. }
+            | SourceError::PasswordRotating(_)
             | SourceError::Moved(_)
             | SourceError::Stalled(_)
             | SourceError::Raced(_)
@@ -179,7 +169,7 @@ impl SourceError {
     /// earns (`check` reports it, it does not retry).
     pub fn without_rotation(self) -> SourceError {
         match self {
-            SourceError::PasswordRotating { source, .. } => *source,
+            SourceError::PasswordRotating(r) => *r.source,
             other => other,
         }
     }
@@ -562,13 +552,7 @@ pub async fn make_failover_slot(cfg: &PostgresConfig) -> Result<(), SourceError>
 /// [`SourceError::PasswordRotating`] when the password comes from a file
 /// that may be being rotated.
 fn password_refused(cfg: &PostgresConfig, login: Login, refusal: SourceError) -> SourceError {
-    match cfg.url.password_key() {
-        Some(key) if cfg.url.login_refused(login) => SourceError::PasswordRotating {
-            key,
-            source: Box::new(refusal),
-        },
-        _ => refusal,
-    }
+    (cfg.url).refusal(login, refusal, SourceError::PasswordRotating)
 }
 
 /// The server's refusal of START_REPLICATION for a slot that does not

@@ -26,6 +26,23 @@ pub(super) fn with_password_file(
 /// half (the kubelet's sync period and cache).
 pub const ROTATION_GRACE: Duration = Duration::from_secs(300);
 
+/// A server's refusal of a password that comes from a `password_file`,
+/// within [`ROTATION_GRACE`] of the first refusal in a row: a rotation may
+/// be under way (the server's password and the file change in either
+/// order), so the next connect reads the file again.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{source}; {key} may be in the middle of a rotation: the relay tries again with what it \
+     then holds, for up to {} minutes after the first refusal",
+    ROTATION_GRACE.as_secs() / 60
+)]
+pub struct Rotating<E: std::error::Error + 'static> {
+    /// The setting the password comes from.
+    pub key: &'static str,
+    /// The refusal.
+    pub source: Box<E>,
+}
+
 /// Which login a refusal or an acceptance is about: each has its own
 /// grace, so that a login that always succeeds (PostgreSQL's SQL
 /// connection) cannot keep renewing the grace of one that is always
