@@ -42,8 +42,8 @@ use crate::sink::AmqpSink;
 use broker::{broker_connect, broker_in_the_clear, exchanges};
 use outbox::{emit_privilege, message_outbox, outbox_table, publication};
 use postgres::{
-    checkpoint_table, pg_error_text, postgres_connect, replication_slot, role, server_identity,
-    slots_and_senders, wal_level,
+    checkpoint_table, hosts, pg_error_text, postgres_connect, replication_slot, role,
+    server_identity, slots_and_senders, wal_level,
 };
 
 /// Deadline of each check (connecting included).
@@ -222,6 +222,7 @@ pub async fn check(cfg: &Config, mut emit: impl FnMut(&Line)) -> Vec<Line> {
                 )
                 .await,
             );
+            push(guarded("hosts of postgres.url", hosts(&client, cfg)).await);
         }
         None => push(vec![Line::warn(
             "PostgreSQL checks skipped",

@@ -1,19 +1,26 @@
 //! The small files the config names: password files, CA bundles, client
-//! certificates and their keys. They are read at load, and the password
-//! files and client certificates again at every connect, on the runtime's
-//! one thread, so a path that names the wrong kind of file must fail
-//! rather than hang or fill the memory:
+//! certificates and their keys. They are read at load and again at every
+//! connect (a rotated password, a renewed certificate, a new CA take
+//! effect without a restart), on the runtime's one thread, so a path that
+//! names the wrong kind of file must fail rather than wait or fill the
+//! memory:
 //!
 //! - a pipe (`mkfifo`, or a shell's `<(...)`: read once at load, then
-//!   every later open waits for a writer that never comes) and a device
-//!   (`/dev/zero` never ends, a terminal waits for a line) are refused;
-//!   the file is opened without blocking, so a pipe is refused as one
-//!   rather than waited on;
+//!   every later open waits for a writer that never comes), a device
+//!   (`/dev/zero` never ends, a terminal waits for a line, and opening
+//!   some devices does something) and a directory are refused: by the
+//!   path's type before it is opened, and by the opened file's (opened
+//!   without blocking, so a pipe swapped in between is refused as one
+//!   rather than waited on);
 //! - a file larger than its kind ever is (a log or a disk image named by
 //!   mistake) is refused without reading it all.
 //!
-//! systemd credentials (`LoadCredential=`), Kubernetes secret volumes and
-//! certificates renewed in place are regular files, and stay so.
+//! systemd credentials (`LoadCredential=`, on ramfs), Kubernetes secret
+//! volumes (tmpfs, symlinks to regular files) and certificates renewed in
+//! place are regular files, and pass. What this cannot help is a regular
+//! file on a network filesystem that stopped answering (a hard-mounted
+//! NFS): reading it waits as any read would (pgwire-replication reads the
+//! client certificate's files itself, too); keep these files local.
 
 use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
@@ -31,6 +38,20 @@ pub const PEM_LIMIT: u64 = 4 * 1024 * 1024;
 /// names the setting).
 pub fn read(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
     let shown = path.display();
+    let not_a_file = |kind| {
+        format!(
+            "{shown} is {}, not a regular file: it is read again at every connect, \
+             so it must be a file that holds its content (not a pipe or a device)",
+            kind_name(kind)
+        )
+    };
+    // Before opening: opening a device may do something.
+    let kind = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read {shown}: {e}"))?
+        .file_type();
+    if !kind.is_file() {
+        return Err(not_a_file(kind));
+    }
     let file = std::fs::OpenOptions::new()
         .read(true)
         // Not blocking on a pipe without a writer (refused below), and not
@@ -43,11 +64,7 @@ pub fn read(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
         .map_err(|e| format!("cannot read {shown}: {e}"))?
         .file_type();
     if !kind.is_file() {
-        return Err(format!(
-            "{shown} is {}, not a regular file: it is read again at every connect, \
-             so it must be a file that holds its content (not a pipe or a device)",
-            kind_name(kind)
-        ));
+        return Err(not_a_file(kind));
     }
     let mut content = Vec::new();
     (&file)

@@ -466,12 +466,6 @@ pub(super) async fn replication_slot(
         ),
         (false, false) => Line::warn(format!("{what} across a failover"), note),
     });
-    // The URL's other hosts: each of this cluster, and in recovery; with
-    // a failover slot (17+), what makes it survive is set on the standbys:
-    // read theirs.
-    if cfg.postgres.targets.len() > 1 {
-        lines.extend(hosts(cfg, client, failover == Some(true)).await);
-    }
     // 18: a slot no walsender uses for this long is invalidated at the
     // next checkpoint, so a relay stopped (or failing) that long loses it.
     if version >= 180_000 {
@@ -497,33 +491,50 @@ pub(super) async fn replication_slot(
     Ok(lines)
 }
 
-/// Lines for the hosts of `postgres.url` other than the primary `check`
-/// reached: a host of another cluster, or a second primary of this one,
+/// Lines for the hosts of `postgres.url` (when it names more than one)
+/// other than the primary `check` reached, whatever the state of the
+/// slot: a host of another cluster, or a second primary of this one,
 /// fails (were it the one reached, the relay would stream another
-/// database, or a primary about to be fenced). With `slot_sync` (a
-/// failover slot, PostgreSQL 17+), a line per standby: whether it keeps
-/// a synchronized, usable copy of the slot, with the settings that make
-/// it one (`sync_replication_slots`, `hot_standby_feedback`,
+/// database, or a primary about to be fenced). With a failover slot
+/// (PostgreSQL 17+), a line per standby: whether it keeps a synchronized,
+/// usable copy of the slot, with the settings that make it one
+/// (`sync_replication_slots`, `hot_standby_feedback`,
 /// `primary_slot_name`, named in the primary's
 /// `synchronized_standby_slots`), read on the standby itself.
-async fn hosts(cfg: &Config, primary: &Client, slot_sync: bool) -> Vec<Line> {
-    let read = async |sql: &str| -> Option<String> {
-        primary.query_one(sql, &[]).await.map(|r| r.get(0)).ok()
-    };
-    // None: unread (then nothing is said of it).
-    let guarded = match slot_sync {
-        true => {
-            read("SELECT coalesce(current_setting('synchronized_standby_slots', true), '')").await
-        }
-        false => None,
-    };
+pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, CheckError> {
+    if cfg.postgres.targets.len() < 2 {
+        return Ok(Vec::new());
+    }
+    // What makes a failover slot (17+) survive is set on the standbys.
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT current_setting('server_version_num')::int >= 170000 \
+                     AND coalesce((SELECT (to_jsonb(s) ->> 'failover')::bool \
+                         FROM pg_replication_slots s WHERE slot_name = $1), false), \
+                 coalesce(current_setting('synchronized_standby_slots', true), ''), \
+                 {IDENTITY}"
+            ),
+            &[&cfg.postgres.slot],
+        )
+        .await?;
+    let slot_sync: bool = row.try_get(0).unwrap_or(false);
+    let guarded: Option<String> = row.try_get(1).ok();
+    let identity: Option<String> = row.try_get(2).ok().flatten();
+    let mut lines = Vec::new();
     // None: unread (then the hosts' clusters are not compared).
-    let reached = read(&format!("SELECT {IDENTITY}")).await;
-    // All at once, each within HOST_TIMEOUT (connect and read): the
-    // slot's own lines are under CHECK_TIMEOUT.
+    let reached = identity.as_deref().and_then(Identity::parse);
+    if reached.is_none() {
+        lines.push(Line::warn(
+            "hosts of postgres.url",
+            "the primary's system identifier is unread (pg_control_system() not executable \
+             by the relay's role?): whether each host is of this cluster is not checked",
+        ));
+    }
+    // All at once, each within HOST_TIMEOUT (connect and read), under
+    // CHECK_TIMEOUT in all.
     let reads = cfg.postgres.targets.iter().map(|target| {
-        let guarded = guarded.as_deref();
-        let reached = reached.as_deref().and_then(Identity::parse);
+        let guarded = guarded.as_deref().filter(|_| slot_sync);
         async move {
             let read = host(cfg, target, reached, guarded, slot_sync);
             match tokio::time::timeout(HOST_TIMEOUT, read).await {
@@ -535,22 +546,42 @@ async fn hosts(cfg: &Config, primary: &Client, slot_sync: bool) -> Vec<Line> {
             }
         }
     });
-    futures_util::future::join_all(reads)
+    let read: Vec<Line> = futures_util::future::join_all(reads)
         .await
         .into_iter()
         .flatten()
-        .collect()
+        .collect();
+    // A primary that restarted while its hosts were read looks like a
+    // second primary of its cluster: read it again before saying so.
+    let again: Option<String> = match client.query_one(&format!("SELECT {IDENTITY}"), &[]).await {
+        Ok(row) => row.try_get(0).ok().flatten(),
+        Err(_) => None,
+    };
+    if reached.is_some() && again != identity {
+        lines.push(Line::warn(
+            "hosts of postgres.url",
+            "the primary restarted (or its connection was lost) while the other hosts were \
+             read: run check again",
+        ));
+        return Ok(lines);
+    }
+    lines.extend(read);
+    Ok(lines)
 }
 
 /// How long `check` waits for each host.
 const HOST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Which server a connection reached, as one text: the cluster's system
-/// identifier, and when the server started (two servers of one cluster,
-/// a primary and a promoted standby, never start in the same
-/// microsecond).
-const IDENTITY: &str = "(SELECT system_identifier::text FROM pg_control_system()) \
-                        || ' ' || pg_postmaster_start_time()::text";
+/// Which server a connection reached, as one text (NULL when
+/// `pg_control_system()` is not the role's to call): the cluster's
+/// system identifier, and when the server started, in microseconds since
+/// 1970 (two servers of one cluster, a primary and a promoted standby,
+/// never start in the same microsecond; a number, not a time, so that a
+/// session's TimeZone or DateStyle cannot change it).
+const IDENTITY: &str = "CASE WHEN has_function_privilege('pg_control_system()', 'EXECUTE') \
+                        THEN (SELECT system_identifier::text FROM pg_control_system()) || ' ' || \
+                        (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint::text \
+                        END";
 
 /// A server's [`IDENTITY`].
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -566,9 +597,10 @@ impl<'a> Identity<'a> {
     }
 }
 
-/// [`hosts`]' line for `target`; `None` for the primary reached
-/// (`reached`, when read), and for a standby of its cluster unless
-/// `slot_sync`.
+/// [`hosts`]' line for `target`: `None` for the primary reached
+/// (`reached`, when read), for a host the relay does not connect to (read
+/// only, not in recovery: a fenced old primary), and for a standby of its
+/// cluster unless `slot_sync`.
 async fn host(
     cfg: &Config,
     target: &crate::pgurl::PgTarget,
@@ -580,6 +612,7 @@ async fn host(
     let mut one = cfg.postgres.clone();
     one.targets = vec![target.clone()];
     one.read_write = false;
+    let unread = |e: String| Some(Line::warn(format!("host {target}"), format!("unread: {e}")));
     let client = match connect_sql(&one).await {
         Ok(c) => c,
         Err(e) => {
@@ -598,27 +631,44 @@ async fn host(
                  (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
                      AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
                   FROM pg_replication_slots s WHERE slot_name = $1), \
-                 {IDENTITY}"
+                 {IDENTITY}, current_setting('transaction_read_only') = 'on'"
             ),
             &[slot],
         )
         .await;
     let row = match row {
         Ok(r) => r,
-        Err(e) => {
-            return Some(Line::warn(
-                format!("host {target}"),
-                format!("unread: {}", pg_error_text(&e)),
-            ));
-        }
+        Err(e) => return unread(pg_error_text(&e)),
     };
-    let in_recovery: bool = row.get(0);
+    type Settings = (
+        bool,
+        String,
+        String,
+        String,
+        Option<bool>,
+        Option<String>,
+        bool,
+    );
+    let read = (|| -> Result<Settings, tokio_postgres::Error> {
+        Ok((
+            row.try_get(0)?,
+            row.try_get(1)?,
+            row.try_get(2)?,
+            row.try_get(3)?,
+            row.try_get(4)?,
+            row.try_get(5)?,
+            row.try_get(6)?,
+        ))
+    })();
+    let (in_recovery, sync, feedback, primary_slot, ready, identity, read_only) = match read {
+        Ok(settings) => settings,
+        Err(e) => return unread(e.to_string()),
+    };
     let what = match in_recovery {
         true => format!("standby {target}"),
         false => format!("host {target}"),
     };
-    let identity: String = row.get(5);
-    let theirs = Identity::parse(&identity);
+    let theirs = identity.as_deref().and_then(Identity::parse);
     if let (Some(ours), Some(theirs)) = (reached, theirs) {
         if ours.cluster != theirs.cluster {
             let role = match in_recovery {
@@ -639,15 +689,15 @@ async fn host(
                 ),
             ));
         }
-        if !in_recovery && ours != theirs {
+        if !in_recovery && !read_only && ours != theirs {
             return Some(Line::fail(
                 what,
                 format!(
-                    "a second primary of this cluster (system identifier {}, started {}; the \
-                     one reached started {}): an old primary not fenced after a failover? \
-                     The relay connects to the first read-write host of postgres.url, which \
-                     may be this one: stop or demote the one that is not the primary",
-                    theirs.cluster, theirs.started, ours.started
+                    "a second primary of this cluster (system identifier {}): an old primary \
+                     not fenced after a failover? The relay connects to the first read-write \
+                     host of postgres.url, which may be this one: stop or demote the one that \
+                     is not the primary",
+                    theirs.cluster
                 ),
             ));
         }
@@ -655,9 +705,6 @@ async fn host(
     if !in_recovery || !slot_sync {
         return None;
     }
-    let (sync, feedback, primary_slot): (String, String, String) =
-        (row.get(1), row.get(2), row.get(3));
-    let ready: Option<bool> = row.get(4);
     let mut missing = Vec::new();
     if sync != "on" {
         missing.push("sync_replication_slots = on".to_owned());

@@ -591,8 +591,6 @@ fn require_auth_comes_from_the_config_or_the_url() {
     assert!(c.postgres.require_auth.allows(AuthMethod::Md5));
 }
 
-/// A password file is read again at every connect; a bad read keeps the
-/// password read last; refusals are retried for `ROTATION_GRACE` after
 /// A password file replaced by a pipe (or a device) after load: the next
 /// connect goes on with the password read before, at once, instead of
 /// waiting forever for a writer on the runtime's one thread; named so at
@@ -628,6 +626,8 @@ fn a_password_file_that_becomes_a_pipe_does_not_hang_a_connect() {
     assert!(err.to_string().contains("character device"), "{err}");
 }
 
+/// A password file is read again at every connect; a bad read keeps the
+/// password read last; refusals are retried for `ROTATION_GRACE` after
 /// the first in a row, and a login the server took starts over.
 #[test]
 fn a_password_file_is_read_again_and_refusals_have_a_grace() {

@@ -919,12 +919,14 @@ fn host_line(checked: &Checked, host: &str) -> Option<String> {
 }
 
 /// The other hosts of `postgres.url` must be this primary's standbys, on
-/// every version: `check` fails on a host of another cluster (in recovery
-/// or read-write; were it promoted, or reached first, the relay would
-/// stream another database), naming both system identifiers, and on a
-/// second primary of this cluster (a promoted standby whose old primary
-/// still runs: which one the relay reaches depends on the order of the
-/// hosts). The pair's own standby is not flagged.
+/// every version and whatever the slot's state: `check` fails on a host
+/// of another cluster (in recovery or read-write; were it promoted, or
+/// reached first, the relay would stream another database), naming both
+/// system identifiers, and on a second primary of this cluster (a
+/// promoted standby whose old primary still runs: which one the relay
+/// reaches depends on the order of the hosts), unless it is fenced read
+/// only (the relay never connects to it). Neither the primary itself nor
+/// the pair's own standby is flagged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_of_another_cluster_or_a_second_primary_fails() {
     let name = format!("hc{}", std::process::id());
@@ -937,25 +939,44 @@ async fn a_host_of_another_cluster_or_a_second_primary_fails() {
     assert_ne!(ours, theirs, "two clusters, two identifiers");
     let (head, _) = env["TEST_PGHA_URL"].split_once('@').unwrap();
     let primary = host_port(&env["TEST_PGHA_PRIMARY_URL"]);
+    let standby = host_port(&env["TEST_PGHA_STANDBY_URL"]);
     let text = std::fs::read_to_string(&fx.config).unwrap();
     let url_line = format!("url = \"{}\"", fx.pg_url);
     assert!(text.contains(&url_line), "{text}");
-    // `check` with postgres.url = our primary, then `second`.
-    let check_with = |second: &str| {
+    let slot_line = format!("slot = \"{}\"", fx.slot);
+    assert!(text.contains(&slot_line), "{text}");
+    // `check` with postgres.url = our primary, then `second` (the slot
+    // named `slot`); the primary itself is never flagged.
+    let check_with = |second: &str, slot: &str| {
         let url = format!("{head}@{primary},{second}/postgres?target_session_attrs=read-write");
-        std::fs::write(
-            &fx.config,
-            text.replace(&url_line, &format!("url = \"{url}\"")),
-        )
-        .unwrap();
-        check(&fx, &[])
+        let config = text
+            .replace(&url_line, &format!("url = \"{url}\""))
+            .replace(&slot_line, &format!("slot = \"{slot}\""));
+        std::fs::write(&fx.config, config).unwrap();
+        let checked = check(&fx, &[]);
+        assert_eq!(host_line(&checked, primary), None, "{checked}");
+        checked
     };
 
-    for (second, role) in [
-        (host_port(&foreign["TEST_PGHA_STANDBY_URL"]), "in recovery"),
-        (host_port(&foreign["TEST_PGHA_PRIMARY_URL"]), "a primary"),
+    for (second, role, slot) in [
+        (
+            host_port(&foreign["TEST_PGHA_STANDBY_URL"]),
+            "in recovery",
+            fx.slot.as_str(),
+        ),
+        (
+            host_port(&foreign["TEST_PGHA_PRIMARY_URL"]),
+            "a primary",
+            fx.slot.as_str(),
+        ),
+        // Before `setup` (no slot yet): the hosts are read all the same.
+        (
+            host_port(&foreign["TEST_PGHA_STANDBY_URL"]),
+            "in recovery",
+            "no_such_slot",
+        ),
     ] {
-        let checked = check_with(second);
+        let checked = check_with(second, slot);
         let line = host_line(&checked, second).unwrap_or_else(|| panic!("{checked}"));
         assert!(
             line.starts_with("FAIL ")
@@ -967,21 +988,48 @@ async fn a_host_of_another_cluster_or_a_second_primary_fails() {
         assert_eq!(checked.code, Some(1), "{checked}");
     }
 
-    // The pair's own standby is this primary's.
-    let standby = host_port(&env["TEST_PGHA_STANDBY_URL"]);
-    let checked = check_with(standby);
-    if let Some(line) = host_line(&checked, standby) {
-        assert!(!line.starts_with("FAIL "), "{line}");
-    }
+    // The pair's own standby is this primary's: nothing fails (on 17+ a
+    // line on its copy of the failover slot, on 15 and 16 none).
+    let checked = check_with(standby, &fx.slot);
+    assert!(checked.fails().is_empty(), "{checked}");
     // Promoted while the old primary runs on: two primaries.
     harness_async(pgha(&name, "promote")).await;
-    let checked = check_with(standby);
+    let checked = check_with(standby, &fx.slot);
     let line = host_line(&checked, standby).unwrap_or_else(|| panic!("{checked}"));
     assert!(
         line.starts_with("FAIL ") && line.contains("a second primary of this cluster"),
         "{line}"
     );
     assert_eq!(checked.code, Some(1), "{checked}");
+    // Fenced read only, the promoted one is none the relay would reach.
+    let promoted = pg_connect_retry_to(&env["TEST_PGHA_STANDBY_URL"]).await;
+    for sql in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        promoted.simple_query(sql).await.unwrap();
+    }
+    drop(promoted);
+    // New sessions take it once the postmaster has read it.
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let pg = pg_connect_retry_to(&env["TEST_PGHA_STANDBY_URL"]).await;
+        let row = pg
+            .query_one("SHOW transaction_read_only", &[])
+            .await
+            .unwrap();
+        if row.get::<_, String>(0) == "on" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "still read-write after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let checked = check_with(standby, &fx.slot);
+    assert_eq!(host_line(&checked, standby), None, "{checked}");
+    assert!(checked.fails().is_empty(), "{checked}");
     std::fs::write(&fx.config, &text).unwrap();
     fx.cleanup().await;
     harness_async(pgha(&other, "down")).await;
