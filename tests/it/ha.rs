@@ -143,14 +143,20 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
         } else {
             harness_async(vec!["cluster".into(), fault.into(), n.clone()]).await;
         }
+        // The node is down (or its app stopped) once the harness returns.
+        let down = t0.elapsed().as_secs_f64();
         let other = |l: Option<&String>| fault == "restart" || node_of(l, &ports) != Some(node);
         let secs = wait_streaming_again(&relays, before, other, t0).await;
-        // The promise for one node lost (measured: 1.4-2.6 s, the node's
-        // own stop included); a whole-cluster restart takes what the
+        // The promise for one node lost: the relay moves on at once, not
+        // after a heartbeat or a timeout (measured: 1.4-2.6 s, the node's
+        // own stop included, which a loaded machine can stretch to 10 s:
+        // not counted here); a whole-cluster restart takes what the
         // cluster takes to come back.
         assert!(
-            fault == "restart" || secs < 10.0,
-            "{fault} of node {node}: streaming again only after {secs:.1}s\n{}",
+            fault == "restart" || secs - down < 10.0,
+            "{fault} of node {node}: streaming again only {:.1}s after the node was down \
+             ({secs:.1}s after the fault began)\n{}",
+            secs - down,
             tails(&relays)
         );
         let to = node_of(log_lines(&relays, "connected to RabbitMQ").last(), &ports);
