@@ -659,14 +659,22 @@ async fn open_replication(
             }
         }
         if cfg.read_write {
-            let rows = client.simple_query("SELECT pg_is_in_recovery()").await?;
+            // As the SQL connection does (`SHOW transaction_read_only`): a
+            // primary fenced read only is not the one to use either.
+            let rows = client
+                .simple_query(
+                    "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'",
+                )
+                .await?;
             let standby = rows
                 .first()
                 .and_then(|r| r.first())
                 .and_then(|v| v.as_deref())
                 != Some(b"f".as_slice());
             if standby {
-                return Ok(Err(SourceError::Moved(format!("{target}, a standby"))));
+                return Ok(Err(SourceError::Moved(format!(
+                    "{target}, a standby (or read only)"
+                ))));
             }
         }
         if stream {

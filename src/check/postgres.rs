@@ -508,22 +508,19 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
     // What makes a failover slot (17+) survive is set on the standbys.
     let row = client
         .query_one(
-            &format!(
-                "SELECT current_setting('server_version_num')::int >= 170000 \
+            "SELECT current_setting('server_version_num')::int >= 170000 \
                      AND coalesce((SELECT (to_jsonb(s) ->> 'failover')::bool \
                          FROM pg_replication_slots s WHERE slot_name = $1), false), \
-                 coalesce(current_setting('synchronized_standby_slots', true), ''), \
-                 {IDENTITY}"
-            ),
+                 coalesce(current_setting('synchronized_standby_slots', true), '')",
             &[&cfg.postgres.slot],
         )
         .await?;
     let slot_sync: bool = row.try_get(0).unwrap_or(false);
     let guarded: Option<String> = row.try_get(1).ok();
-    let identity: Option<String> = row.try_get(2).ok().flatten();
+    let first = identity(client).await;
     let mut lines = Vec::new();
     // None: unread (then the hosts' clusters are not compared).
-    let reached = identity.as_deref().and_then(Identity::parse);
+    let reached = first.as_deref().and_then(Identity::parse);
     if reached.is_none() {
         lines.push(Line::warn(
             "hosts of postgres.url",
@@ -553,11 +550,7 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
         .collect();
     // A primary that restarted while its hosts were read looks like a
     // second primary of its cluster: read it again before saying so.
-    let again: Option<String> = match client.query_one(&format!("SELECT {IDENTITY}"), &[]).await {
-        Ok(row) => row.try_get(0).ok().flatten(),
-        Err(_) => None,
-    };
-    if reached.is_some() && again != identity {
+    if reached.is_some() && identity(client).await != first {
         lines.push(Line::warn(
             "hosts of postgres.url",
             "the primary restarted (or its connection was lost) while the other hosts were \
@@ -572,16 +565,23 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
 /// How long `check` waits for each host.
 const HOST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Which server a connection reached, as one text (NULL when
-/// `pg_control_system()` is not the role's to call): the cluster's
-/// system identifier, and when the server started, in microseconds since
-/// 1970 (two servers of one cluster, a primary and a promoted standby,
-/// never start in the same microsecond; a number, not a time, so that a
-/// session's TimeZone or DateStyle cannot change it).
-const IDENTITY: &str = "CASE WHEN has_function_privilege('pg_control_system()', 'EXECUTE') \
-                        THEN (SELECT system_identifier::text FROM pg_control_system()) || ' ' || \
-                        (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint::text \
-                        END";
+/// Which server a connection reached, as one text: the cluster's system
+/// identifier, and when the server started, in microseconds since 1970
+/// (two servers of one cluster, a primary and a promoted standby, never
+/// start in the same microsecond; a number, not a time, so that a
+/// session's TimeZone or DateStyle cannot change it). A statement of its
+/// own: a role may not call `pg_control_system()` (its EXECUTE revoked),
+/// and the server checks that when it plans a query, whatever a CASE
+/// around the call says.
+const IDENTITY: &str = "SELECT (SELECT system_identifier::text FROM pg_control_system()) \
+                        || ' ' || \
+                        (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint::text";
+
+/// The [`IDENTITY`] of the server behind `client`; `None` if unread.
+async fn identity(client: &Client) -> Option<String> {
+    let row = client.query_one(IDENTITY, &[]).await.ok()?;
+    row.try_get(0).ok().flatten()
+}
 
 /// A server's [`IDENTITY`].
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -618,21 +618,19 @@ async fn host(
         Err(e) => {
             return Some(Line::warn(
                 format!("host {target}"),
-                format!("not reachable, unread: {e}"),
+                format!("not reachable, unread: {}", e.without_rotation()),
             ));
         }
     };
     let row = client
         .query_one(
-            &format!(
-                "SELECT pg_is_in_recovery(), \
+            "SELECT pg_is_in_recovery(), \
                  coalesce(current_setting('sync_replication_slots', true), ''), \
                  current_setting('hot_standby_feedback'), current_setting('primary_slot_name'), \
                  (SELECT (to_jsonb(s) ->> 'synced')::bool AND NOT temporary \
                      AND to_jsonb(s) ->> 'invalidation_reason' IS NULL \
                   FROM pg_replication_slots s WHERE slot_name = $1), \
-                 {IDENTITY}, current_setting('transaction_read_only') = 'on'"
-            ),
+                 current_setting('transaction_read_only') = 'on'",
             &[slot],
         )
         .await;
@@ -640,15 +638,7 @@ async fn host(
         Ok(r) => r,
         Err(e) => return unread(pg_error_text(&e)),
     };
-    type Settings = (
-        bool,
-        String,
-        String,
-        String,
-        Option<bool>,
-        Option<String>,
-        bool,
-    );
+    type Settings = (bool, String, String, String, Option<bool>, bool);
     let read = (|| -> Result<Settings, tokio_postgres::Error> {
         Ok((
             row.try_get(0)?,
@@ -657,18 +647,25 @@ async fn host(
             row.try_get(3)?,
             row.try_get(4)?,
             row.try_get(5)?,
-            row.try_get(6)?,
         ))
     })();
-    let (in_recovery, sync, feedback, primary_slot, ready, identity, read_only) = match read {
+    let (in_recovery, sync, feedback, primary_slot, ready, read_only) = match read {
         Ok(settings) => settings,
         Err(e) => return unread(e.to_string()),
     };
+    let theirs_text = identity(&client).await;
     let what = match in_recovery {
         true => format!("standby {target}"),
         false => format!("host {target}"),
     };
-    let theirs = identity.as_deref().and_then(Identity::parse);
+    let theirs = theirs_text.as_deref().and_then(Identity::parse);
+    if reached.is_some() && theirs.is_none() {
+        return Some(Line::warn(
+            what,
+            "its system identifier is unread (pg_control_system() not executable by the \
+             relay's role there?): whether it is of this cluster is not checked",
+        ));
+    }
     if let (Some(ours), Some(theirs)) = (reached, theirs) {
         if ours.cluster != theirs.cluster {
             let role = match in_recovery {

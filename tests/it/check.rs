@@ -8,7 +8,7 @@
 //! second primary of this one, fails.
 
 use crate::common;
-use crate::ha::{env_file, failover_fixture, harness_async, host_port, pgha};
+use crate::ha::{env_file, failover_fixture, fence_read_only, harness_async, host_port, pgha};
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -988,6 +988,46 @@ async fn a_host_of_another_cluster_or_a_second_primary_fails() {
         assert_eq!(checked.code, Some(1), "{checked}");
     }
 
+    // A role that may not call pg_control_system() (EXECUTE revoked, as
+    // some hardened installs do): the hosts are not compared, check says
+    // so once, and fails nothing for it.
+    let pg = pg_connect_retry_to(&env["TEST_PGHA_PRIMARY_URL"]).await;
+    pg.batch_execute(
+        "CREATE ROLE hc_plain LOGIN PASSWORD 'hc_plain'; \
+         REVOKE EXECUTE ON FUNCTION pg_control_system() FROM PUBLIC",
+    )
+    .await
+    .unwrap();
+    let second = host_port(&foreign["TEST_PGHA_STANDBY_URL"]);
+    let url = format!(
+        "postgres://hc_plain:hc_plain@{primary},{second}/postgres?target_session_attrs=read-write"
+    );
+    std::fs::write(
+        &fx.config,
+        text.replace(&url_line, &format!("url = \"{url}\"")),
+    )
+    .unwrap();
+    let checked = check(&fx, &[]);
+    assert!(
+        checked
+            .lines()
+            .iter()
+            .any(|l| l.starts_with("warn hosts of postgres.url: ")
+                && l.contains("the primary's system identifier is unread")),
+        "{checked}"
+    );
+    assert!(
+        !checked
+            .fails()
+            .iter()
+            .any(|l| l.contains("hosts of postgres.url") || l.contains(&format!(" {second}:"))),
+        "{checked}"
+    );
+    pg.batch_execute("GRANT EXECUTE ON FUNCTION pg_control_system() TO PUBLIC; DROP ROLE hc_plain")
+        .await
+        .unwrap();
+    drop(pg);
+
     // The pair's own standby is this primary's: nothing fails (on 17+ a
     // line on its copy of the failover slot, on 15 and 16 none).
     let checked = check_with(standby, &fx.slot);
@@ -1002,31 +1042,7 @@ async fn a_host_of_another_cluster_or_a_second_primary_fails() {
     );
     assert_eq!(checked.code, Some(1), "{checked}");
     // Fenced read only, the promoted one is none the relay would reach.
-    let promoted = pg_connect_retry_to(&env["TEST_PGHA_STANDBY_URL"]).await;
-    for sql in [
-        "ALTER SYSTEM SET default_transaction_read_only = on",
-        "SELECT pg_reload_conf()",
-    ] {
-        promoted.simple_query(sql).await.unwrap();
-    }
-    drop(promoted);
-    // New sessions take it once the postmaster has read it.
-    let end = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let pg = pg_connect_retry_to(&env["TEST_PGHA_STANDBY_URL"]).await;
-        let row = pg
-            .query_one("SHOW transaction_read_only", &[])
-            .await
-            .unwrap();
-        if row.get::<_, String>(0) == "on" {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "still read-write after 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    fence_read_only(&env["TEST_PGHA_STANDBY_URL"]).await;
     let checked = check_with(standby, &fx.slot);
     assert_eq!(host_line(&checked, standby), None, "{checked}");
     assert!(checked.fails().is_empty(), "{checked}");

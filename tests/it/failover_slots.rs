@@ -11,7 +11,8 @@
 
 use crate::common;
 use crate::ha::{
-    failover_fixture, harness_async, log_lines, pgha, producer_spec, tails, wait_streaming_again,
+    failover_fixture, fence_read_only, harness_async, log_lines, pgha, producer_spec, tails,
+    wait_streaming_again,
 };
 
 use std::collections::HashSet;
@@ -292,4 +293,53 @@ async fn setup_makes_an_existing_slot_a_failover_slot_in_place() {
         .await;
     relay.stop_ok();
     fx.cleanup().await;
+}
+
+/// A primary fenced read only (`default_transaction_read_only`) after its
+/// standby was promoted, and listed first in `postgres.url`: `setup` makes
+/// the new primary's slot a failover slot, not the fenced one's (the
+/// replication connection passes over a read-only host, as the SQL
+/// connection does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_passes_over_a_primary_fenced_read_only() {
+    let major = server_major().await;
+    if major < 17 {
+        eprintln!("PostgreSQL {major} has no failover slots");
+        return;
+    }
+    let name = format!("fence{}", std::process::id());
+    let (fx, env) = failover_fixture(&name, "", false).await;
+    harness_async(pgha(&name, "promote")).await;
+    fence_read_only(&env["TEST_PGHA_PRIMARY_URL"]).await;
+    // The new primary's slot, not a failover slot (as made on 16).
+    let new = pg_connect_retry_to(&env["TEST_PGHA_STANDBY_URL"]).await;
+    new.execute(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+         WHERE slot_name = $1",
+        &[&fx.slot],
+    )
+    .await
+    .unwrap();
+    new.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, false, false)",
+        &[&fx.slot],
+    )
+    .await
+    .unwrap();
+    let is_failover = async |pg: &tokio_postgres::Client| -> Option<bool> {
+        pg.query_one(
+            "SELECT (SELECT failover FROM pg_replication_slots WHERE slot_name = $1)",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    };
+    assert_eq!(is_failover(&new).await, Some(false));
+
+    let said = fx.relay_ok("setup", &[]);
+    assert!(said.contains("made a failover slot"), "{said}");
+    assert_eq!(is_failover(&new).await, Some(true), "{said}");
+    fx.cleanup().await;
+    harness_async(pgha(&name, "down")).await;
 }

@@ -150,13 +150,13 @@ async fn a_rabbitmq_cluster_loses_nodes_and_nothing_is_lost() {
         // The promise for one node lost: the relay moves on at once, not
         // after a heartbeat or a timeout (measured: 1.4-2.6 s, the node's
         // own stop included, which a loaded machine can stretch to 10 s:
-        // not counted here); a whole-cluster restart takes what the
-        // cluster takes to come back.
+        // up to 5 s of it not counted); a whole-cluster restart takes what
+        // the cluster takes to come back.
+        let counted = secs - down.min(5.0);
         assert!(
-            fault == "restart" || secs - down < 10.0,
-            "{fault} of node {node}: streaming again only {:.1}s after the node was down \
-             ({secs:.1}s after the fault began)\n{}",
-            secs - down,
+            fault == "restart" || counted < 10.0,
+            "{fault} of node {node}: streaming again only after {secs:.1}s, the node down \
+             after {down:.1}s\n{}",
             tails(&relays)
         );
         let to = node_of(log_lines(&relays, "connected to RabbitMQ").last(), &ports);
@@ -304,6 +304,36 @@ async fn four_channels_spread_over_the_cluster_and_live_through_a_node_stop() {
         r.stop_ok();
     }
     fx.cleanup().await;
+}
+
+/// Fences the primary at `url` read only (`default_transaction_read_only`,
+/// as after a failover when it cannot be stopped): returns once new
+/// sessions are read only.
+pub(crate) async fn fence_read_only(url: &str) {
+    let pg = pg_connect_retry_to(url).await;
+    for sql in [
+        "ALTER SYSTEM SET default_transaction_read_only = on",
+        "SELECT pg_reload_conf()",
+    ] {
+        pg.simple_query(sql).await.unwrap();
+    }
+    // New sessions take it once the postmaster has read it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let pg = pg_connect_retry_to(url).await;
+        let row = pg
+            .query_one("SHOW transaction_read_only", &[])
+            .await
+            .unwrap();
+        if row.get::<_, String>(0) == "on" {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{url} still read-write after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `servers.sh pgha NAME WHAT...`, as arguments.
