@@ -517,10 +517,9 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
         .await?;
     let slot_sync: bool = row.try_get(0).unwrap_or(false);
     let guarded: Option<String> = row.try_get(1).ok();
-    let first = identity(client).await;
-    let mut lines = Vec::new();
     // None: unread (then the hosts' clusters are not compared).
-    let reached = first.as_deref().and_then(Identity::parse);
+    let reached = Identity::read(client).await;
+    let mut lines = Vec::new();
     if reached.is_none() {
         lines.push(Line::warn(
             "hosts of postgres.url",
@@ -532,6 +531,7 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
     // CHECK_TIMEOUT in all.
     let reads = cfg.postgres.targets.iter().map(|target| {
         let guarded = guarded.as_deref().filter(|_| slot_sync);
+        let reached = reached.as_ref();
         async move {
             let read = host(cfg, target, reached, guarded, slot_sync);
             match tokio::time::timeout(HOST_TIMEOUT, read).await {
@@ -550,7 +550,7 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
         .collect();
     // A primary that restarted while its hosts were read looks like a
     // second primary of its cluster: read it again before saying so.
-    if reached.is_some() && identity(client).await != first {
+    if reached.is_some() && Identity::read(client).await != reached {
         lines.push(Line::warn(
             "hosts of postgres.url",
             "the primary restarted (or its connection was lost) while the other hosts were \
@@ -565,35 +565,36 @@ pub(super) async fn hosts(client: &Client, cfg: &Config) -> Result<Vec<Line>, Ch
 /// How long `check` waits for each host.
 const HOST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Which server a connection reached, as one text: the cluster's system
-/// identifier, and when the server started, in microseconds since 1970
-/// (two servers of one cluster, a primary and a promoted standby, never
-/// start in the same microsecond; a number, not a time, so that a
-/// session's TimeZone or DateStyle cannot change it). A statement of its
-/// own: a role may not call `pg_control_system()` (its EXECUTE revoked),
-/// and the server checks that when it plans a query, whatever a CASE
-/// around the call says.
-const IDENTITY: &str = "SELECT (SELECT system_identifier::text FROM pg_control_system()) \
-                        || ' ' || \
-                        (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint::text";
-
-/// The [`IDENTITY`] of the server behind `client`; `None` if unread.
-async fn identity(client: &Client) -> Option<String> {
-    let row = client.query_one(IDENTITY, &[]).await.ok()?;
-    row.try_get(0).ok().flatten()
+/// Which server a connection reached: the cluster's system identifier,
+/// and when the server started (two servers of one cluster, a primary
+/// and a promoted standby, never start in the same microsecond).
+#[derive(PartialEq, Eq)]
+struct Identity {
+    cluster: String,
+    /// Microseconds since 1970: a number, not a time, so that a session's
+    /// TimeZone or DateStyle cannot change it.
+    started: i64,
 }
 
-/// A server's [`IDENTITY`].
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Identity<'a> {
-    cluster: &'a str,
-    started: &'a str,
-}
-
-impl<'a> Identity<'a> {
-    fn parse(text: &'a str) -> Option<Identity<'a>> {
-        let (cluster, started) = text.split_once(' ')?;
-        Some(Identity { cluster, started })
+impl Identity {
+    /// The identity of the server behind `client`; `None` if unread. A
+    /// statement of its own: a role may not call `pg_control_system()`
+    /// (its EXECUTE revoked), and the server checks that when it plans a
+    /// query, whatever a CASE around the call says.
+    async fn read(client: &Client) -> Option<Identity> {
+        let row = client
+            .query_one(
+                "SELECT system_identifier::text, \
+                 (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint \
+                 FROM pg_control_system()",
+                &[],
+            )
+            .await
+            .ok()?;
+        Some(Identity {
+            cluster: row.try_get(0).ok()?,
+            started: row.try_get(1).ok()?,
+        })
     }
 }
 
@@ -604,7 +605,7 @@ impl<'a> Identity<'a> {
 async fn host(
     cfg: &Config,
     target: &crate::pgurl::PgTarget,
-    reached: Option<Identity<'_>>,
+    reached: Option<&Identity>,
     guarded: Option<&str>,
     slot_sync: bool,
 ) -> Option<Line> {
@@ -653,12 +654,11 @@ async fn host(
         Ok(settings) => settings,
         Err(e) => return unread(e.to_string()),
     };
-    let theirs_text = identity(&client).await;
+    let theirs = Identity::read(&client).await;
     let what = match in_recovery {
         true => format!("standby {target}"),
         false => format!("host {target}"),
     };
-    let theirs = theirs_text.as_deref().and_then(Identity::parse);
     if reached.is_some() && theirs.is_none() {
         return Some(Line::warn(
             what,
@@ -666,15 +666,11 @@ async fn host(
              relay's role there?): whether it is of this cluster is not checked",
         ));
     }
-    if let (Some(ours), Some(theirs)) = (reached, theirs) {
+    if let (Some(ours), Some(theirs)) = (reached, &theirs) {
         if ours.cluster != theirs.cluster {
-            let role = match in_recovery {
-                true => "in recovery",
-                false => "a primary",
-            };
-            let promoted = match in_recovery {
-                true => "were it promoted",
-                false => "were it the first read-write host reached",
+            let (role, promoted) = match in_recovery {
+                true => ("in recovery", "were it promoted"),
+                false => ("a primary", "were it the first read-write host reached"),
             };
             return Some(Line::fail(
                 what,
@@ -686,7 +682,7 @@ async fn host(
                 ),
             ));
         }
-        if !in_recovery && !read_only && ours != theirs {
+        if !in_recovery && !read_only && ours.started != theirs.started {
             return Some(Line::fail(
                 what,
                 format!(

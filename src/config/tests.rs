@@ -384,14 +384,19 @@ fn password_file_may_name_the_credentials_directory() {
     }
 }
 
-/// The URL `with_password_file` makes from a private file holding `content`.
-fn url_from_password_file(content: &str) -> Result<String, String> {
+/// `dir/pw`, holding `content`, readable by its owner only.
+fn private_file(dir: &std::path::Path, content: &str) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("pw");
+    let f = dir.join("pw");
     std::fs::write(&f, content).unwrap();
     std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let f = f.display().to_string();
+    f
+}
+
+/// The URL `with_password_file` makes from a private file holding `content`.
+fn url_from_password_file(content: &str) -> Result<String, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let f = private_file(dir.path(), content).display().to_string();
     with_password_file("postgres://relay@db/app", "postgres.password_file", &f)
         .map_err(|e| e.to_string())
 }
@@ -597,11 +602,8 @@ fn require_auth_comes_from_the_config_or_the_url() {
 /// load, it is refused with the setting's name.
 #[test]
 fn a_password_file_that_becomes_a_pipe_does_not_hang_a_connect() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("pw");
-    std::fs::write(&f, "one\n").unwrap();
-    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let f = private_file(dir.path(), "one\n");
     let file = PasswordFile::open("postgres.password_file", f.to_str().unwrap()).unwrap();
     std::fs::remove_file(&f).unwrap();
     let status = std::process::Command::new("mkfifo")
@@ -631,11 +633,8 @@ fn a_password_file_that_becomes_a_pipe_does_not_hang_a_connect() {
 /// the first in a row, and a login the server took starts over.
 #[test]
 fn a_password_file_is_read_again_and_refusals_have_a_grace() {
-    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("pw");
-    std::fs::write(&f, "one\n").unwrap();
-    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let f = private_file(dir.path(), "one\n");
     let file = PasswordFile::open("rabbitmq.password_file", f.to_str().unwrap()).unwrap();
     let url = "amqp://relay@mq:5672/%2f";
     assert_eq!(file.first(url).unwrap(), "amqp://relay:one@mq:5672/%2f");
