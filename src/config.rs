@@ -45,6 +45,9 @@ const ENV_RESERVED: &[&str] = &[
 /// Most publishing channels (`rabbitmq.channels`): a connection each.
 const MAX_CHANNELS: u64 = 16;
 
+/// The `frame_max` `rabbitmq.url` may ask for: AMQP's least, to 1 MiB.
+const FRAME_MAX_RANGE: std::ops::RangeInclusive<u32> = 4096..=1 << 20;
+
 /// Sections of the file, in the order the README documents them.
 const SECTIONS: &[&str] = &["postgres", "outbox", "rabbitmq", "http"];
 
@@ -391,8 +394,23 @@ impl RawConfig {
                     "expected a URL of the form amqp://user:password@host:port/vhost",
                 ));
             }
-            crate::amqpurl::parse_amqp_url(url)
+            let uri = crate::amqpurl::parse_amqp_url(url)
                 .map_err(|_| key_err("rabbitmq.url", format!("is {NOT_A_URL}")))?;
+            // Ours is the bound on what the broker may send in one frame
+            // (and what the reader reserves for it): 0 ("no limit") would
+            // let the broker choose up to 4 GiB.
+            if let Some(f) = uri.query.frame_max
+                && !(FRAME_MAX_RANGE).contains(&f)
+            {
+                return Err(key_err(
+                    "rabbitmq.url",
+                    format!(
+                        "asks for frame_max={f}: use {} to {} (or leave it out: 131072)",
+                        FRAME_MAX_RANGE.start(),
+                        FRAME_MAX_RANGE.end()
+                    ),
+                ));
+            }
         }
         let any_amqps = urls.iter().any(|u| u.starts_with("amqps://"));
         let amqp_client_cert = client_cert(

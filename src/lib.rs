@@ -43,6 +43,7 @@ pub mod check;
 pub(crate) mod checkpoint;
 pub mod cli;
 pub mod config;
+pub(crate) mod dial;
 pub(crate) mod error;
 pub(crate) mod handoff;
 pub mod http;

@@ -20,7 +20,12 @@ impl fmt::Display for Shown<'_> {
             if n == MAX_CHARS {
                 return write!(f, "…({} bytes)", self.0.len());
             }
-            if c.is_control() {
+            // Line and paragraph separators end a line in some viewers;
+            // bidirectional overrides reorder what a terminal shows.
+            if c.is_control()
+                || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}')
+                || matches!(c, '\u{2066}'..='\u{2069}')
+            {
                 for e in c.escape_default() {
                     f.write_char(e)?;
                 }
@@ -89,6 +94,10 @@ mod tests {
     fn escapes_control_characters_and_caps_the_length() {
         assert_eq!(shown("a\nFAKE\r\u{1b}[2J\tb"), "a\\nFAKE\\r\\u{1b}[2J\\tb");
         assert_eq!(shown("plain-id 42 é"), "plain-id 42 é");
+        assert_eq!(
+            shown("a\u{2028}b\u{202e}c\u{2066}\u{b}"),
+            "a\\u{2028}b\\u{202e}c\\u{2066}\\u{b}"
+        );
         let long = "x".repeat(10_000_000);
         let s = shown(&long);
         assert_eq!(s, format!("{}…(10000000 bytes)", "x".repeat(MAX_CHARS)));

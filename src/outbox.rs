@@ -400,6 +400,21 @@ impl OutboxDecoder {
                     if let Err(e) = &mapping {
                         tracing::error!(error = %e, "outbox relation does not match the configuration");
                     }
+                    // Optional, so its loss does not stop anything: said,
+                    // since trace ids or CC/BCC copies go with it.
+                    let had_headers = matches!(
+                        self.relations.get(&rel.id),
+                        Some(Ok((_, Ok(m)))) if m.headers.is_some()
+                    );
+                    if had_headers && mapping.as_ref().is_ok_and(|m| m.headers.is_none()) {
+                        tracing::warn!(
+                            table = %format!("{}.{}", rel.namespace, rel.name),
+                            column = %self.outboxes[i].columns.headers,
+                            key = %self.outboxes[i].key_of("headers"),
+                            "the outbox table lost its headers column (renamed or dropped) while streaming: \
+                             its events go out without the row's headers"
+                        );
+                    }
                     Ok((i, mapping))
                 } else {
                     Err(format!("{}.{}", rel.namespace, rel.name))

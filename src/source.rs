@@ -182,7 +182,14 @@ impl SourceError {
 /// made in a schema on that path cannot stand in for a built-in one in the
 /// relay's SQL, which names its own tables with their schema. PostgreSQL's
 /// own logical replication workers do the same.
-pub const SESSION_OPTIONS: &str = "-c search_path=pg_catalog,pg_temp";
+///
+/// And the server keeps TCP keepalives on them (ignored on a Unix socket):
+/// a relay whose host died or was cut off without a reset is noticed in
+/// about a minute, not the two hours of the kernel's defaults, so that its
+/// session's locks (a recovery's advisory lock) do not hold the relay
+/// taking over.
+pub const SESSION_OPTIONS: &str = "-c search_path=pg_catalog,pg_temp \
+     -c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 -c tcp_keepalives_count=3";
 
 /// Deadline of each SQL call beside the stream (and before a recovery
 /// publishes).
@@ -414,12 +421,9 @@ async fn open_socket(
     let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out");
     match target {
         PgTarget::Tcp { name, addr, port } => {
-            let tcp = tokio::time::timeout(
-                deadline,
-                tokio::net::TcpStream::connect((addr.as_str(), *port)),
-            )
-            .await
-            .map_err(|_| timed_out())??;
+            // The deadline for each address the name resolves to, as
+            // libpq's connect_timeout.
+            let tcp = crate::dial::connect(addr, *port, deadline).await?;
             tcp.set_nodelay(true)?;
             if pg.get_keepalives() {
                 let keepalive = socket2::TcpKeepalive::new()

@@ -23,6 +23,9 @@ use tracing::warn;
 const COVERAGE_EVERY: Duration = Duration::from_millis(50);
 /// The last reading, when the session ends.
 const FINAL_DEADLINE: Duration = Duration::from_secs(2);
+/// How often the SQL connection is looked at while the watermark does not
+/// wait on the coverage (see [`Gate::run`]).
+const CLOSED_EVERY: Duration = Duration::from_secs(1);
 
 /// Readings may fail this long (the SQL connection lost while the stream
 /// lives on) before the session ends, to reconnect: meanwhile nothing is
@@ -33,8 +36,14 @@ const UNREAD_LIMIT: Duration = Duration::from_secs(30);
 /// past the WAL position the last reading of the coverage vouched for,
 /// until `sink_done` (after the sink's last confirm, a drain included). A
 /// change in the coverage ends the session (`stop`) with the error that
-/// explains it; so do readings failing for [`UNREAD_LIMIT`] (transient:
-/// the next session reconnects).
+/// explains it; so do readings failing for [`UNREAD_LIMIT`], and the SQL
+/// connection closed (transient: the next session reconnects).
+///
+/// The SQL connection closed ends the session even while the watermark
+/// stands still: a fast shutdown of PostgreSQL ends the SQL backend first,
+/// then waits for the walsender, which waits until the client confirms all
+/// it sent. While the broker withholds confirms (an alarm), only the end
+/// of the session lets the server stop.
 pub(super) struct Gate {
     pub cfg: Config,
     pub sql: Arc<tokio_postgres::Client>,
@@ -76,6 +85,8 @@ impl Gate {
         let mut tick = tokio::time::interval(COVERAGE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut unread_since: Option<Instant> = None;
+        let mut closed = tokio::time::interval(CLOSED_EVERY);
+        closed.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let wm = *watermark.borrow_and_update();
             forward(&reported, wm, vouched);
@@ -84,6 +95,17 @@ impl Gate {
                 biased;
                 _ = sink_done.cancelled() => break,
                 Ok(()) = watermark.changed() => {}
+                _ = closed.tick(), if !behind => {
+                    if sql.is_closed() {
+                        stop.cancel();
+                        return Err(SourceError::Timeout(
+                            "postgres.url's SQL connection closed (the server shutting down or \
+                             restarting, or the backend ended); the session ends so that the \
+                             server can stop, and the next one reconnects"
+                                .into(),
+                        ));
+                    }
+                }
                 _ = tick.tick(), if behind => {
                     // Busy only while the side task samples it.
                     if let Ok(l) = longest.try_lock() {

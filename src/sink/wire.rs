@@ -68,6 +68,9 @@ const CONTROL_CHANNEL: u16 = 2;
 /// Largest frame we accept before `connection.tune`, and the frame size we
 /// ask for unless `rabbitmq.url` says (RabbitMQ's default).
 const DEFAULT_FRAME_MAX: u32 = 131_072;
+/// Answers kept while waiting for a reply, beyond two per publish (see
+/// [`Wire::keep`]).
+const PENDING_SLACK: u64 = 64;
 /// Flush the write buffer once it holds this much, even mid-batch.
 const WRITE_HIGH_WATER: usize = 64 * 1024;
 /// TCP keepalive: probes after this much silence, this often, this many:
@@ -513,14 +516,20 @@ impl Wire {
                     class.get_amqp_method_id()
                 )))),
             AMQPFrame::Method(PUBLISH_CHANNEL, AMQPClass::Basic(m)) => match m {
-                basic::AMQPMethod::Ack(a) => Ok(Some(Event::Ack {
-                    tag: a.delivery_tag,
-                    multiple: a.multiple,
-                })),
-                basic::AMQPMethod::Nack(n) => Ok(Some(Event::Nack {
-                    tag: n.delivery_tag,
-                    multiple: n.multiple,
-                })),
+                basic::AMQPMethod::Ack(a) => {
+                    self.published(a.delivery_tag, "ack")?;
+                    Ok(Some(Event::Ack {
+                        tag: a.delivery_tag,
+                        multiple: a.multiple,
+                    }))
+                }
+                basic::AMQPMethod::Nack(n) => {
+                    self.published(n.delivery_tag, "nack")?;
+                    Ok(Some(Event::Nack {
+                        tag: n.delivery_tag,
+                        multiple: n.multiple,
+                    }))
+                }
                 basic::AMQPMethod::Return(r) => {
                     self.returning = Some(Returning {
                         ret: Returned {
@@ -559,6 +568,42 @@ impl Wire {
             }
             other => Err(self.fail(WireError::Protocol(format!("unexpected frame {other:?}")))),
         }
+    }
+
+    /// An answer for `tag` (0: every tag, with `multiple`) may come only
+    /// once it was published: a broker acking ahead is broken, or hostile.
+    fn published(&mut self, tag: u64, what: &str) -> Result<(), WireError> {
+        if tag >= self.next_tag {
+            return Err(self.fail(WireError::Protocol(format!(
+                "a basic.{what} for delivery tag {tag}, never published"
+            ))));
+        }
+        Ok(())
+    }
+
+    /// Keeps an answer read while waiting for another (see `pending`),
+    /// bounded: a broker can owe at most an ack or a nack and a return
+    /// for each publish, and blocked notices in a row say only the last.
+    fn keep(&mut self, ev: Event) -> Result<(), WireError> {
+        if let Event::Blocked(now) = ev
+            && let Some(Event::Blocked(last)) = self.pending.back_mut()
+        {
+            *last = now;
+            return Ok(());
+        }
+        let owed = self
+            .next_tag
+            .saturating_mul(2)
+            .saturating_add(PENDING_SLACK);
+        if self.pending.len() as u64 >= owed {
+            return Err(self.fail(WireError::Protocol(format!(
+                "{} answers kept while waiting for a reply, more than {} publishes can be owed",
+                self.pending.len(),
+                self.next_tag - 1
+            ))));
+        }
+        self.pending.push_back(ev);
+        Ok(())
     }
 
     /// A method on the control channel: the answers to `look_for`.

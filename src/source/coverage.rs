@@ -53,6 +53,13 @@ struct Hold {
     /// records written before it existed: false, as it was then.)
     #[serde(default)]
     uncovered: bool,
+    /// The table or a partition writes no WAL (unlogged, or a foreign
+    /// table): one set unlogged or attached since (a publication of the
+    /// root does not stop either), whose rows are never decoded. (Absent
+    /// from records written before it existed: false, as a session then
+    /// started only with every relation logged.)
+    #[serde(default)]
+    no_wal: bool,
     /// The relation the configured name resolves to now: none after a
     /// RENAME (the relay follows the table by its id), another one when a
     /// new table took the name (a rename-and-swap), whose rows the
@@ -133,7 +140,11 @@ const HOLD_SQL: &str = "SELECT r.root, EXISTS (SELECT 1 FROM pg_class c WHERE c.
                WHERE pn.pnpubid = p.oid AND c.oid = i.inhrelid) \
              FROM pg_inherits i JOIN cov t ON i.inhparent = t.relid) \
          SELECT 1 FROM cov WHERE NOT cov.covered \
-           AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhparent = cov.relid)) \
+           AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhparent = cov.relid)), \
+       EXISTS (WITH RECURSIVE tree(relid) AS (SELECT r.root UNION ALL \
+           SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.relid) \
+         SELECT 1 FROM tree JOIN pg_class c ON c.oid = tree.relid \
+         WHERE c.relkind = 'f' OR (c.relkind = 'r' AND c.relpersistence <> 'p')) \
      FROM unnest($2::oid[], $3::text[]) WITH ORDINALITY r(root, name, n) \
      LEFT JOIN pg_publication p ON p.pubname = $1 ORDER BY r.n";
 
@@ -162,6 +173,7 @@ async fn read_holds(
             entries: r.get(6),
             named: r.get(7),
             uncovered: r.get(8),
+            no_wal: r.get(9),
         })
         .collect())
 }
@@ -648,6 +660,13 @@ impl Coverage {
                  created or attached since, whose rows are never decoded; add the table itself \
                  to the publication",
                 w.table, self.publication
+            )
+        } else if now.no_wal && !w.hold.no_wal {
+            format!(
+                "a partition of outbox table {} (or the table) writes no WAL now: set unlogged, \
+                 or an unlogged or foreign table attached, whose rows are never decoded; make it \
+                 a logged table (ALTER TABLE ... SET LOGGED)",
+                w.table
             )
         } else {
             format!(

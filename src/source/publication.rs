@@ -40,6 +40,12 @@ pub struct Hold {
     /// A row filter or a column list on it or a partition: (the relation
     /// it is set on, which).
     pub partial: Option<(String, &'static str)>,
+    /// It or a partition writes no WAL: (the relation, what it is). An
+    /// unlogged partition, or a foreign table as one, is covered by a
+    /// publication of the root (PostgreSQL refuses SET UNLOGGED only for a
+    /// table the publication lists by name), yet its rows are never
+    /// decoded: keepalives would carry the slot past them.
+    pub no_wal: Option<(String, &'static str)>,
 }
 
 /// What is wrong with the publication, in the order `run` meets it.
@@ -58,6 +64,16 @@ pub enum PublicationProblem {
     /// names. `run` decodes them by relation id, so it streams; `check`
     /// asks for `publish_via_partition_root`, which `setup` sets.
     PartitionsByOwnName(TableName),
+    /// A relation of the outbox table writes no WAL: its rows would never
+    /// be decoded.
+    NoWal {
+        /// The outbox table.
+        table: TableName,
+        /// The relation (the table or a partition).
+        on: String,
+        /// "an unlogged table" or "a foreign table".
+        what: &'static str,
+    },
     /// A row filter or a column list would drop rows or columns before
     /// the relay sees them.
     Partial {
@@ -111,6 +127,7 @@ async fn hold(
         listed: false,
         covered: false,
         partial: None,
+        no_wal: None,
     };
     let Some(root) = root else {
         return Ok(hold);
@@ -153,7 +170,34 @@ async fn hold(
     if hold.covered {
         hold.partial = partial_rows(client, publication, root).await?;
     }
+    hold.no_wal = without_wal(client, root).await?;
     Ok(hold)
+}
+
+/// The first relation of the table `root` (itself or a partition) whose
+/// inserts write no WAL: (the relation, what it is).
+async fn without_wal(
+    client: &Client,
+    root: u32,
+) -> Result<Option<(String, &'static str)>, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "SELECT c.oid::regclass::text, c.relkind = 'f' FROM pg_class c \
+             WHERE (c.oid = $1 OR c.oid IN (SELECT t.relid FROM pg_partition_tree($1::oid::regclass) t)) \
+               AND (c.relkind = 'f' OR (c.relkind = 'r' AND c.relpersistence <> 'p')) \
+             ORDER BY 1 LIMIT 1",
+            &[&root],
+        )
+        .await?;
+    Ok(row.map(|row| {
+        let foreign: bool = row.get(1);
+        let what = if foreign {
+            "a foreign table"
+        } else {
+            "an unlogged table"
+        };
+        (row.get(0), what)
+    }))
 }
 
 /// The first entry of the publication with a row filter or a column list
@@ -203,6 +247,13 @@ impl PublicationInfo {
             } else if h.partitioned && !h.listed && !self.via_root {
                 found.push(PublicationProblem::PartitionsByOwnName(t()));
             }
+            if let Some((on, what)) = &h.no_wal {
+                found.push(PublicationProblem::NoWal {
+                    table: t(),
+                    on: on.clone(),
+                    what,
+                });
+            }
             if let Some((on, what)) = &h.partial {
                 found.push(PublicationProblem::Partial {
                     table: t(),
@@ -249,6 +300,11 @@ impl PublicationProblem {
                 "publishes the partitions of {t} under their own names: ALTER PUBLICATION {q} \
                  SET (publish_via_partition_root = true)"
             ),
+            PublicationProblem::NoWal { table, on, what } => format!(
+                "cannot carry the rows of {on}, {what} in outbox table {table}: it writes no \
+                 WAL, so its rows are never decoded and the slot would move past them; make it \
+                 a logged table (ALTER TABLE {on} SET LOGGED; a foreign table: detach it), {lost}"
+            ),
             PublicationProblem::Partial { table, on, what } => format!(
                 "has {what} on {on}, part of outbox table {table}: rows or columns it leaves out \
                  would never be relayed; publish whole rows with ALTER PUBLICATION {q} SET TABLE \
@@ -287,6 +343,7 @@ mod tests {
                 listed: true,
                 covered: true,
                 partial: None,
+                no_wal: None,
             }],
         }
     }
@@ -328,6 +385,18 @@ mod tests {
         assert!(
             said.starts_with("publication \"p\" has a row filter on public.outbox_2024")
                 && said.contains("SET TABLE \"public\".\"outbox\""),
+            "{said}"
+        );
+
+        let mut p = healthy();
+        p.tables[0].no_wal = Some(("outbox_2025".into(), "an unlogged table"));
+        let problems = p.problems();
+        assert!(problems[0].stops_run());
+        let said = problems[0].sentence("p");
+        assert!(
+            said.starts_with("publication \"p\" cannot carry the rows of outbox_2025, an unlogged")
+                && said.contains("SET LOGGED")
+                && said.contains("republish --since"),
             "{said}"
         );
 

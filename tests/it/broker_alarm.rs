@@ -135,6 +135,48 @@ async fn sigterm_with_unconfirmed_messages_exits_within_grace_and_reports_nothin
     fx.cleanup().await;
 }
 
+/// A fast shutdown of PostgreSQL while the broker withholds confirms:
+/// the server ends the relay's SQL backend, then waits for the walsender,
+/// which waits until the relay confirms all it was sent, which it cannot.
+/// The relay ends its session on the closed SQL connection (its grace
+/// period for the outstanding confirms), so the server stops cleanly
+/// instead of waiting out the alarm (the harness falls back to an
+/// immediate stop after 30 s); once both are back, everything arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_fast_shutdown_is_not_held_up_by_withheld_confirms() {
+    let _alarm = ALARM.lock().await;
+    let mut fx = Fixture::new("pgstop_alarm").await;
+    fx.set_config_extra("shutdown_grace_secs = 2", "");
+    let (pg, mut relay) = fx.streaming().await;
+    let (ids, stop_took) = with_alarm(async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let ids = fx.insert_many(&pg, 10, "s", |_| "1".into(), "e").await;
+        // The walsender sends them; the relay publishes into the alarm.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let t = std::time::Instant::now();
+        ctl_async(pg_ctl, &["stop"]).await;
+        let took = t.elapsed();
+        ctl_async(pg_ctl, &["start"]).await;
+        (ids, took)
+    })
+    .await;
+    println!(
+        "PostgreSQL fast shutdown with confirms withheld took {:.1} s",
+        stop_took.as_secs_f64()
+    );
+    assert!(
+        stop_took < Duration::from_secs(20),
+        "the fast shutdown waited {stop_took:?} (the harness's fallback to an immediate stop \
+         comes at 30 s); log:\n{}",
+        relay.log_tail()
+    );
+    fx.collect_until(&ids, Duration::from_secs(90), Duration::ZERO, Some(&relay))
+        .await;
+    relay.assert_running("after PostgreSQL came back");
+    relay.stop_ok();
+    fx.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once() {
     let _alarm = ALARM.lock().await;

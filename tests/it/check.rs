@@ -1051,3 +1051,35 @@ async fn a_host_of_another_cluster_or_a_second_primary_fails() {
     harness_async(pgha(&other, "down")).await;
     harness_async(pgha(&name, "down")).await;
 }
+
+/// The relay's sessions ask the server for TCP keepalives: a relay whose
+/// host vanished without a reset (its session holding a recovery's
+/// advisory lock) is noticed by the server in about a minute, not after
+/// the kernel's two hours. Read on the relay's own SQL session, over TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_sessions_ask_the_server_for_keepalives() {
+    let fx = Fixture::new("chk_keepalive").await;
+    let cfg = outbox_relay::config::Config::from_toml(
+        &fx.config_text(""),
+        "test.toml",
+        std::iter::empty(),
+    )
+    .unwrap();
+    let sql = outbox_relay::source::connect_sql(&cfg.postgres)
+        .await
+        .unwrap();
+    for (name, want) in [
+        ("tcp_keepalives_idle", "30"),
+        ("tcp_keepalives_interval", "10"),
+        ("tcp_keepalives_count", "3"),
+    ] {
+        let got: String = sql
+            .query_one("SELECT setting FROM pg_settings WHERE name = $1", &[&name])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(got, want, "{name}");
+    }
+    drop(sql);
+    fx.cleanup().await;
+}

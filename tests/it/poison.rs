@@ -631,6 +631,80 @@ async fn refused_templated_exchanges_are_dead_lettered_within_the_session() {
     fx.cleanup().await;
 }
 
+/// Refusals a row can bring on that name no missing grant of the relay's
+/// own: a templated exchange that is internal (a passive declare finds
+/// it; the publish is refused, 403 "cannot publish to internal
+/// exchange"), and a routing key the user's topic permissions refuse (403
+/// "access to topic", whatever the key quotes). Each event is
+/// dead-lettered, and the events around it are delivered: the relay does
+/// not stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_exchanges_and_refused_routing_keys_are_dead_lettered() {
+    use lapin::options::ExchangeDeclareOptions;
+    let mut fx = Fixture::new("refusedkind").await;
+    let mut dlq = dead_letters(&fx, "").await;
+    set_templates(&fx, "{aggregate_type}", "{event_type}");
+    let internal = fx.scoped("internal");
+    let ch = fx.amqp.create_channel().await.unwrap();
+    ch.exchange_declare(
+        internal.as_str().into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            internal: true,
+            auto_delete: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let user = fx.scoped("topicuser");
+    rabbitmq_ctl(&["ctl", "add_user", &user, "pw"]);
+    rabbitmq_ctl(&["ctl", "set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    rabbitmq_ctl(&[
+        "ctl",
+        "set_topic_permissions",
+        "-p",
+        "/",
+        &user,
+        &fx.exchange,
+        "^(?!secret).*",
+        ".*",
+    ]);
+    let url = amqp_url().replace("guest:guest", &format!("{user}:pw"));
+    fx.start_consumer().await;
+    let pg = pg_connect().await;
+    let relay = fx.spawn_relay_env(&[("OUTBOX_RELAY_RABBITMQ_URL", url.as_str())]);
+    let exchange = fx.exchange.clone();
+    let payload = serde_json::json!({});
+    let mut good = vec![fx.insert(&pg, &exchange, "a", "placed", &payload).await];
+    let to_internal = fx.insert(&pg, &internal, "b", "placed", &payload).await;
+    good.push(fx.insert(&pg, &exchange, "a", "packed", &payload).await);
+    let secret = fx
+        .insert(
+            &pg,
+            &exchange,
+            "c",
+            "secret.access to exchange 'x",
+            &payload,
+        )
+        .await;
+    good.push(fx.insert(&pg, &exchange, "a", "shipped", &payload).await);
+    let mut dls: Vec<Received> = Vec::new();
+    for id in [&to_internal, &secret] {
+        while !dls.iter().any(|d| &d.message_id() == id) {
+            dls.push(recv_one(&mut dlq, "dead letter", &relay).await);
+        }
+    }
+    let dl = dls.iter().find(|d| d.message_id() == to_internal).unwrap();
+    let err = dl.header_str("x-outbox-error").unwrap();
+    assert!(err.contains("403") && err.contains("internal"), "{err}");
+    fx.expect_delivered(&good, &relay).await;
+    relay.stop_ok();
+    rabbitmq_ctl(&["ctl", "delete_user", &user]);
+    fx.cleanup().await;
+}
+
 /// A templated exchange the broker does not have is looked for (a passive
 /// declare) before the first event bound there is sent: no channel closes
 /// over it, so nothing that waited for a confirm is sent again. Found by

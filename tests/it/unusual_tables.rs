@@ -771,41 +771,147 @@ async fn a_partition_created_outside_a_publication_of_partitions_stops_the_relay
     .await
     .unwrap();
     f.start_consumer().await;
-    let mut relay = f.spawn_relay();
+    let relay = f.spawn_relay();
     let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
     f.expect_delivered(&[first], &relay).await;
-    pg.batch_execute(&format!(
+    let ddl = format!(
         "CREATE TABLE {0}_users PARTITION OF {0} FOR VALUES IN ('account')",
         f.table
-    ))
-    .await
-    .unwrap();
-    // The bound: a position before the new partition's row.
+    );
+    stops_before_a_row_after(
+        f,
+        &pg,
+        relay,
+        &ddl,
+        "account",
+        &["a partition of outbox table", "not in publication"],
+    )
+    .await;
+}
+
+/// After `ddl`, a row of `aggregate_type` (in the partition the DDL left
+/// out of the stream), then a row in a published partition and WAL
+/// besides: the relay stops, saying each of `said` and the `republish
+/// --since` that sends the row, and the slot never passes the row (a
+/// relay that did not notice would confirm past it).
+async fn stops_before_a_row_after(
+    f: Fixture,
+    pg: &tokio_postgres::Client,
+    mut relay: Relay,
+    ddl: &str,
+    aggregate_type: &str,
+    said: &[&str],
+) {
+    pg.batch_execute(ddl).await.unwrap();
+    // The bound: a position before the row.
     let before: String = pg
         .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
         .await
         .unwrap()
         .get(0);
     let before: outbox_relay::lsn::Lsn = before.parse().unwrap();
-    f.insert(&pg, "account", "u-1", "opened", &json!({})).await;
-    // Later rows, in a published partition, and WAL besides: a relay that
-    // did not notice would confirm past the lost row.
-    f.insert(&pg, "order", "o-2", "shipped", &json!({})).await;
+    f.insert(pg, aggregate_type, "u-1", "opened", &json!({}))
+        .await;
+    f.insert(pg, "order", "o-2", "shipped", &json!({})).await;
     let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
     assert!(!status.success(), "{log}");
     assert!(
-        log.contains("a partition of outbox table")
-            && log.contains("not in publication")
-            && log.contains("republish --since"),
+        said.iter().all(|s| log.contains(s)) && log.contains("republish --since"),
         "{log}"
     );
     // (The later row may have been published before the relay noticed: the
     // slot is what must not move.)
-    let confirmed = f.confirmed_flush_lsn(&pg).await;
+    let confirmed = f.confirmed_flush_lsn(pg).await;
     assert!(
         confirmed <= before,
-        "the slot moved past the unpublished partition's row: {confirmed} > {before}"
+        "the slot moved past the row left out of the stream: {confirmed} > {before}"
     );
+    f.cleanup().await;
+}
+
+/// A partition that writes no WAL: unlogged when `run` starts. A
+/// publication of the root covers it (PostgreSQL refuses unlogged tables
+/// only where a publication lists them by name), but its rows are never
+/// decoded: `run` refuses to stream and `check` fails it, naming the
+/// partition, before the slot moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlogged_partition_is_refused() {
+    let f = Fixture::with_ddl("unloggedpart", "", &partitioned()).await;
+    let pg = pg_connect().await;
+    pg.batch_execute(&format!(
+        "CREATE UNLOGGED TABLE {0}_users PARTITION OF {0} FOR VALUES IN ('account')",
+        f.table
+    ))
+    .await
+    .unwrap();
+    let before = f.confirmed_flush_lsn(&pg).await;
+    f.insert(&pg, "account", "u-1", "opened", &json!({})).await;
+    f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    let mut relay = f.spawn_relay();
+    let (status, log) = Fixture::wait_exit(&mut relay, Duration::from_secs(30));
+    assert!(!status.success(), "run streamed: {log}");
+    let partition = format!("{}_users", f.table);
+    assert!(
+        log.contains("writes no WAL") && log.contains(&partition) && log.contains("SET LOGGED"),
+        "{log}"
+    );
+    let out = f.relay_cmd("check").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout.lines().any(|l| l.starts_with("FAIL publication")
+            && l.contains(&partition)
+            && l.contains("an unlogged table")),
+        "{stdout}"
+    );
+    assert_eq!(
+        before,
+        f.confirmed_flush_lsn(&pg).await,
+        "the slot moved while the relay refused"
+    );
+    f.cleanup().await;
+}
+
+/// A partition set unlogged while the relay streams: the relay stops
+/// before the slot passes a row inserted into it, naming the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_set_unlogged_while_streaming_stops_the_relay() {
+    let mut f = Fixture::with_ddl("setunlogged", "", &partitioned()).await;
+    let pg = pg_connect().await;
+    f.start_consumer().await;
+    let relay = f.spawn_relay();
+    let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    f.expect_delivered(&[first], &relay).await;
+    let ddl = format!("ALTER TABLE {}_rest SET UNLOGGED", f.table);
+    let said = ["writes no WAL now", "SET LOGGED"];
+    stops_before_a_row_after(f, &pg, relay, &ddl, "customer", &said).await;
+}
+
+/// The headers column renamed while streaming: the rows after it go out
+/// without their headers (the column is optional), and the relay says so,
+/// naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_headers_column_renamed_while_streaming_is_said() {
+    let mut f = Fixture::new("lostheaders").await;
+    let pg = pg_connect().await;
+    f.start_consumer().await;
+    let relay = f.spawn_relay();
+    let first = f.insert(&pg, "order", "o-1", "placed", &json!({})).await;
+    f.expect_delivered(&[first], &relay).await;
+    pg.batch_execute(&format!(
+        "ALTER TABLE {} RENAME COLUMN headers TO meta",
+        f.table
+    ))
+    .await
+    .unwrap();
+    let second = insert_into(&pg, &f.table, "o-1").await;
+    f.expect_delivered(&[second], &relay).await;
+    let log = relay.log_text();
+    assert!(
+        log.contains("lost its headers column") && log.contains("outbox.headers"),
+        "{log}"
+    );
+    relay.stop_ok();
     f.cleanup().await;
 }
 

@@ -397,6 +397,30 @@ async fn a_returned_message_is_published_again_then_dead_lettered() {
     assert_eq!(lsn, Lsn(1), "nothing of the transaction is reported");
 }
 
+/// A dead letter nacked (its queue full, `x-overflow = reject-publish`)
+/// as often as a message is before it is dead-lettered, and more: it is
+/// published again until the broker takes it, with the transaction
+/// reported only then; the relay does not stop.
+#[tokio::test(start_paused = true)]
+async fn a_nacked_dead_letter_waits_for_its_queue() {
+    let cfg = config_with(16, "dead_letter_exchange = \"dlx\"\n");
+    let mut dead_letter_nacks = 0;
+    let fake = Fake::new(Box::new(move |id, exchange, _| match (id, exchange) {
+        ("m1", "ex") => Answer::Nack,
+        ("m1", "dlx") if dead_letter_nacks < 25 => {
+            dead_letter_nacks += 1;
+            Answer::Nack
+        }
+        _ => Answer::Ack,
+    }));
+    let items = transaction(&cfg, &["m0", "m1", "m2"]);
+    let (fake, lsn, r) = publish(&cfg, items, fake, Duration::from_secs(3600)).await;
+    finished_ok(r);
+    let to = fake.sent_to("m1");
+    assert_eq!(to.iter().filter(|e| **e == "dlx").count(), 26, "{to:?}");
+    assert_eq!(lsn, Lsn(100), "the transaction is confirmed");
+}
+
 /// An event earlier sessions learnt the broker refuses (poison) goes
 /// straight to the dead-letter exchange, never to its own; without one the
 /// relay stops naming the setting, before publishing it anywhere.

@@ -64,7 +64,7 @@ impl Publisher<'_> {
                 let limit = self.cfg.unroutable_attempts;
                 let channel = f.lane;
                 self.again_or_dead_letter(f, id, limit, RetryReason::returned, reason, |id, n, delay| {
-                    warn!(event_id = %id, channel, attempt = n, retry_in_ms = delay.as_millis() as u64, exchange = %Shown(&exchange), routing_key = %Shown(&routing_key), "unroutable; will publish again");
+                    warn!(event_id = %Shown(id), channel, attempt = n, retry_in_ms = delay.as_millis() as u64, exchange = %Shown(&exchange), routing_key = %Shown(&routing_key), "unroutable; will publish again");
                 })
             }
             Err(SinkError::Nacked { id }) => {
@@ -76,7 +76,7 @@ impl Publisher<'_> {
                 };
                 let channel = f.lane;
                 self.again_or_dead_letter(f, id, NACK_ATTEMPTS, RetryReason::nacked, reason, |id, n, delay| {
-                    warn!(event_id = %id, channel, attempt = n, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
+                    warn!(event_id = %Shown(id), channel, attempt = n, retry_in_ms = delay.as_millis() as u64, "broker nacked; will publish again");
                 })
             }
             Err(e) => Err(e.into()),
@@ -85,8 +85,13 @@ impl Publisher<'_> {
 
     /// `f` refused once more (returned, or nacked): published again after
     /// a backoff, counted and logged (`log`), until `limit` attempts; then
-    /// dead-lettered, saying `reason`. A dead letter refused that often
-    /// stops the relay.
+    /// dead-lettered, saying `reason`. A dead letter has nowhere further
+    /// to go: returned that often (the dead-letter exchange routes it
+    /// nowhere), it stops the relay; nacked (its queue full, with
+    /// `x-overflow = reject-publish`), it is published again for as long
+    /// as it takes, at the longest backoff, holding the confirmed position
+    /// as any message the broker holds back: a full dead-letter queue is
+    /// the broker's back-pressure, not a reason to stop.
     fn again_or_dead_letter(
         &mut self,
         mut f: InFlight,
@@ -97,7 +102,11 @@ impl Publisher<'_> {
         log: impl FnOnce(&str, u32, Duration),
     ) -> Result<Option<(Duration, InFlight)>, PublishError> {
         f.attempts += 1;
-        if f.attempts >= limit {
+        if f.attempts >= limit && f.is_dead_letter() && why == RetryReason::nacked {
+            if f.attempts == limit {
+                warn!(event_id = %Shown(&id), channel = f.lane, attempts = f.attempts, exchange = %Shown(&f.destination().0), "dead letter nacked again and again (its queue full?); it is published again until the broker takes it, and the confirmed position waits for it");
+            }
+        } else if f.attempts >= limit {
             let reason = reason(f.attempts);
             if f.is_dead_letter() {
                 let exchange = f.destination().0;

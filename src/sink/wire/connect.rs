@@ -25,6 +25,11 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+/// How long each address of the broker's host name may take to accept a
+/// connection, before the next is tried (the caller's deadline bounds
+/// them all).
+const ADDRESS_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Wire {
     /// Connects, authenticates (PLAIN, or EXTERNAL: the TLS client
     /// certificate), opens the vhost and the publishing channel, and turns
@@ -38,7 +43,7 @@ impl Wire {
             .strip_prefix('[')
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
-        let tcp = TcpStream::connect((host, uri.authority.port)).await?;
+        let tcp = crate::dial::connect(host, uri.authority.port, ADDRESS_TIMEOUT).await?;
         tcp.set_nodelay(true)?;
         // A dead peer is noticed even with heartbeats off and nothing to
         // send (a broker that blocks publishing, then vanishes).
@@ -218,7 +223,7 @@ impl Wire {
                         Found::Forbidden(text) => Err(WireError::ChannelClosed { code: 403, text }),
                     };
                 }
-                Some(ev) => self.pending.push_back(ev),
+                Some(ev) => self.keep(ev)?,
                 None => {}
             }
         }
@@ -336,7 +341,7 @@ impl Wire {
                 // kept for `event`.
                 frame => {
                     if let Some(ev) = self.on_frame(frame)? {
-                        self.pending.push_back(ev);
+                        self.keep(ev)?;
                     }
                 }
             }

@@ -136,6 +136,49 @@ fn only_frames_that_hold_tables_count_as_nested() {
     assert!(nesting(&nested_start(100)) >= 100);
 }
 
+/// A broker that answers `connection.open` with a flood of confirms on
+/// the publishing channel before its `open-ok`: kept for later, they would fill memory for as long as
+/// the call's deadline (gigabytes at LAN speed). An ack of a tag never
+/// published is a protocol error; acks of "every tag" (0, multiple), which
+/// nothing can owe either, are kept only up to a small bound.
+#[tokio::test]
+async fn a_flood_of_confirms_while_connecting_is_refused() {
+    for tag in [7, 0] {
+        let (t, broker) = broker("127.0.0.1", move |mut p: Peer| async move {
+            p.start(131_072, 0).await;
+            let _open = p.method().await;
+            let ack = super::encode_frame(
+                Vec::new(),
+                &AMQPFrame::Method(
+                    1,
+                    AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                        delivery_tag: tag,
+                        multiple: true,
+                    })),
+                ),
+            )
+            .unwrap();
+            // A million, written until the client hangs up.
+            let flood = ack.repeat(1 << 14);
+            for _ in 0..64 {
+                if p.s.write_all(&flood).await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        let e = connect(&t).await.unwrap_err();
+        let said = e.to_string();
+        let expected = if tag == 0 {
+            "more than 0 publishes can be owed"
+        } else {
+            "basic.ack for delivery tag 7, never published"
+        };
+        assert!(said.contains(expected), "tag {tag}: {said}");
+        broker.await.unwrap();
+    }
+}
+
 /// An ack between a return and its content header would settle a message
 /// the broker just said it could not route: a protocol error, and nothing
 /// acked.
