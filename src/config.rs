@@ -397,15 +397,17 @@ impl RawConfig {
             let uri = crate::amqpurl::parse_amqp_url(url)
                 .map_err(|_| key_err("rabbitmq.url", format!("is {NOT_A_URL}")))?;
             // Ours is the bound on what the broker may send in one frame
-            // (and what the reader reserves for it): 0 ("no limit") would
-            // let the broker choose up to 4 GiB.
+            // (and what the reader reserves for it). 0, "no limit" to
+            // RabbitMQ, would let the broker choose up to 4 GiB: it means
+            // the default here.
             if let Some(f) = uri.query.frame_max
+                && f != 0
                 && !(FRAME_MAX_RANGE).contains(&f)
             {
                 return Err(key_err(
                     "rabbitmq.url",
                     format!(
-                        "asks for frame_max={f}: use {} to {} (or leave it out: 131072)",
+                        "asks for frame_max={f}: use {} to {} (or leave it out, or 0: 131072)",
                         FRAME_MAX_RANGE.start(),
                         FRAME_MAX_RANGE.end()
                     ),

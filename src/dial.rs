@@ -15,10 +15,19 @@ use std::time::Duration;
 
 use tokio::net::TcpStream;
 
-/// Connects to the first address of `host` that answers within `each`.
-/// Fails with the last address's error (a timeout, a refusal).
+/// Connects to the first address of `host` that answers within `each`
+/// (the lookup too has `each`). Fails with the last address's error (a
+/// timeout, a refusal).
 pub(crate) async fn connect(host: &str, port: u16, each: Duration) -> io::Result<TcpStream> {
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await?.collect();
+    let addrs: Vec<SocketAddr> = tokio::time::timeout(each, tokio::net::lookup_host((host, port)))
+        .await
+        .map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("resolving {host} timed out after {each:?}"),
+            )
+        })??
+        .collect();
     connect_any(&addrs, each).await
 }
 

@@ -269,8 +269,9 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(HOST_CONNECT_TIMEOUT);
     }
+    // Room for each host's lookup and two of its addresses (see `dial`).
     let deadline = CONNECT_TIMEOUT.max(
-        *pg.get_connect_timeout().expect("set") * pg.get_hosts().len() as u32
+        *pg.get_connect_timeout().expect("set") * 3 * pg.get_hosts().len() as u32
             + Duration::from_secs(5),
     );
     let connector = tls::postgres_sql_tls(
@@ -635,6 +636,12 @@ async fn open_replication(
         PgTarget::Tcp { addr, port, .. } => {
             ReplicationConfig::new(addr.clone(), user, password, database, slot, publication)
                 .with_port(*port)
+                // Each address of the name, as the SQL connection does.
+                .with_address_timeout(
+                    pg.get_connect_timeout()
+                        .copied()
+                        .unwrap_or(HOST_CONNECT_TIMEOUT),
+                )
         }
     };
     let rc = base

@@ -9,7 +9,6 @@
 //! | 406 PRECONDITION_FAILED "message size … larger than … max size N" | `channel.close`, one message | learn N: bodies above it are dead-lettered without the body (with a dead-letter exchange), else stop |
 //! | 406 (other), 501 FRAME_ERROR, 502 SYNTAX_ERROR, 503 COMMAND_INVALID, 505 UNEXPECTED_FRAME, 540 NOT_IMPLEMENTED | `channel.close` / `connection.close` | reconnect and replay one message at a time past where the session failed; after 3 such failures with the same message alone in flight, dead-letter it bare (no body, no user headers) |
 //! | 403 ACCESS_REFUSED "cannot publish to internal exchange" | `channel.close`, a templated exchange | as "access to exchange" above |
-//! | 403 ACCESS_REFUSED "access to topic" (the routing key, by topic permissions) | `channel.close` | as 406 (other) above: the message is found and dead-lettered |
 //! | 403 ACCESS_REFUSED, 404 (other) | either | stop: credentials, permissions or exchange to fix |
 //! | 530 NOT_ALLOWED "vhost … is down", "connection limit … is reached" | either | reconnect with backoff |
 //! | 530 NOT_ALLOWED (other: "vhost … not found", "access to vhost … refused") | either | stop: vhost or permissions to fix |
@@ -42,10 +41,12 @@ pub enum Disposition {
 pub fn disposition(channel: bool, code: u16, text: &str) -> Disposition {
     match code {
         403 if !channel => Disposition::Stop,
-        // The routing key (a row's) may be refused by topic permissions:
-        // one message's doing, found by replaying one at a time. Read
-        // first: the key is quoted in the text, and could quote the others.
-        403 if refused_text(text).starts_with("access to topic '") => Disposition::HeadOfWindow,
+        // The routing key refused by topic permissions: the operator's to
+        // fix (blamed on one message at a time, a permission that refuses
+        // every key would send the whole stream to the dead-letter
+        // exchange). Read first: the key is quoted in the text, and a
+        // row's key could quote the texts below.
+        403 if refused_text(text).starts_with("access to topic '") => Disposition::Stop,
         403 => match refused_exchange(text).or_else(|| internal_exchange(text)) {
             Some(x) => Disposition::RefusedExchange(x),
             None => Disposition::Stop,
@@ -173,7 +174,7 @@ mod tests {
         assert_eq!(d(403, refused), Disposition::RefusedExchange("x".into()));
         let internal = "ACCESS_REFUSED - cannot publish to internal exchange 'x' in vhost '/'";
         assert_eq!(d(403, internal), Disposition::RefusedExchange("x".into()));
-        // A routing key refused by topic permissions: the message's doing,
+        // A routing key refused by topic permissions stops the relay,
         // whatever the key quotes.
         for (key, permission) in [
             ("a.b", "write "),
@@ -184,11 +185,7 @@ mod tests {
                 "ACCESS_REFUSED - {permission}access to topic '{key}' in exchange 'x' in vhost \
                  '/' refused for user 'u'"
             );
-            assert_eq!(
-                disposition(true, 403, &topic),
-                Disposition::HeadOfWindow,
-                "{topic}"
-            );
+            assert_eq!(disposition(true, 403, &topic), Disposition::Stop, "{topic}");
         }
         assert_eq!(
             d(

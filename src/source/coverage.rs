@@ -53,11 +53,12 @@ struct Hold {
     /// records written before it existed: false, as it was then.)
     #[serde(default)]
     uncovered: bool,
-    /// The table or a partition writes no WAL (unlogged, or a foreign
-    /// table): one set unlogged or attached since (a publication of the
-    /// root does not stop either), whose rows are never decoded. (Absent
-    /// from records written before it existed: false, as a session then
-    /// started only with every relation logged.)
+    /// The table or a partition is unlogged (its inserts write no WAL):
+    /// one set unlogged or attached since (a publication of the root does
+    /// not stop either), whose rows are never decoded. Partitions only, as
+    /// `publication::hold` reads them (not tables that merely INHERIT).
+    /// (Absent from records written before it existed: false, as a session
+    /// then started only with every partition logged.)
     #[serde(default)]
     no_wal: bool,
     /// The relation the configured name resolves to now: none after a
@@ -144,7 +145,8 @@ const HOLD_SQL: &str = "SELECT r.root, EXISTS (SELECT 1 FROM pg_class c WHERE c.
        EXISTS (WITH RECURSIVE tree(relid) AS (SELECT r.root UNION ALL \
            SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.relid) \
          SELECT 1 FROM tree JOIN pg_class c ON c.oid = tree.relid \
-         WHERE c.relkind = 'f' OR (c.relkind = 'r' AND c.relpersistence <> 'p')) \
+         WHERE (c.oid = r.root OR c.relispartition) AND c.relkind = 'r' \
+           AND c.relpersistence <> 'p') \
      FROM unnest($2::oid[], $3::text[]) WITH ORDINALITY r(root, name, n) \
      LEFT JOIN pg_publication p ON p.pubname = $1 ORDER BY r.n";
 
@@ -664,8 +666,8 @@ impl Coverage {
         } else if now.no_wal && !w.hold.no_wal {
             format!(
                 "a partition of outbox table {} (or the table) writes no WAL now: set unlogged, \
-                 or an unlogged or foreign table attached, whose rows are never decoded; make it \
-                 a logged table (ALTER TABLE ... SET LOGGED)",
+                 or an unlogged table attached, whose rows are never decoded; make it a logged \
+                 table (ALTER TABLE ... SET LOGGED)",
                 w.table
             )
         } else {

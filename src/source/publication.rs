@@ -40,11 +40,13 @@ pub struct Hold {
     /// A row filter or a column list on it or a partition: (the relation
     /// it is set on, which).
     pub partial: Option<(String, &'static str)>,
-    /// It or a partition writes no WAL: (the relation, what it is). An
-    /// unlogged partition, or a foreign table as one, is covered by a
-    /// publication of the root (PostgreSQL refuses SET UNLOGGED only for a
-    /// table the publication lists by name), yet its rows are never
-    /// decoded: keepalives would carry the slot past them.
+    /// It or a partition is unlogged: (the relation, what it is). An
+    /// unlogged partition is covered by a publication of the root
+    /// (PostgreSQL refuses SET UNLOGGED only for a table the publication
+    /// lists by name), yet its inserts write no WAL and are never decoded:
+    /// keepalives would carry the slot past them. (A foreign table as a
+    /// partition is not refused: it holds old rows in tiered storage more
+    /// often than it takes new ones; the README says what it means.)
     pub no_wal: Option<(String, &'static str)>,
 }
 
@@ -71,7 +73,7 @@ pub enum PublicationProblem {
         table: TableName,
         /// The relation (the table or a partition).
         on: String,
-        /// "an unlogged table" or "a foreign table".
+        /// "an unlogged table".
         what: &'static str,
     },
     /// A row filter or a column list would drop rows or columns before
@@ -174,30 +176,23 @@ async fn hold(
     Ok(hold)
 }
 
-/// The first relation of the table `root` (itself or a partition) whose
-/// inserts write no WAL: (the relation, what it is).
+/// The first relation of the table `root` (itself or a partition, as
+/// `source::coverage` reads them) whose inserts write no WAL: (the
+/// relation, what it is).
 async fn without_wal(
     client: &Client,
     root: u32,
 ) -> Result<Option<(String, &'static str)>, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            "SELECT c.oid::regclass::text, c.relkind = 'f' FROM pg_class c \
+            "SELECT c.oid::regclass::text FROM pg_class c \
              WHERE (c.oid = $1 OR c.oid IN (SELECT t.relid FROM pg_partition_tree($1::oid::regclass) t)) \
-               AND (c.relkind = 'f' OR (c.relkind = 'r' AND c.relpersistence <> 'p')) \
+               AND c.relkind = 'r' AND c.relpersistence <> 'p' \
              ORDER BY 1 LIMIT 1",
             &[&root],
         )
         .await?;
-    Ok(row.map(|row| {
-        let foreign: bool = row.get(1);
-        let what = if foreign {
-            "a foreign table"
-        } else {
-            "an unlogged table"
-        };
-        (row.get(0), what)
-    }))
+    Ok(row.map(|row| (row.get(0), "an unlogged table")))
 }
 
 /// The first entry of the publication with a row filter or a column list
@@ -303,7 +298,7 @@ impl PublicationProblem {
             PublicationProblem::NoWal { table, on, what } => format!(
                 "cannot carry the rows of {on}, {what} in outbox table {table}: it writes no \
                  WAL, so its rows are never decoded and the slot would move past them; make it \
-                 a logged table (ALTER TABLE {on} SET LOGGED; a foreign table: detach it), {lost}"
+                 a logged table (ALTER TABLE {on} SET LOGGED), {lost}"
             ),
             PublicationProblem::Partial { table, on, what } => format!(
                 "has {what} on {on}, part of outbox table {table}: rows or columns it leaves out \

@@ -125,8 +125,12 @@ impl Wire {
         };
         // Each limit: the smaller of the two, or the other where one side
         // says 0 (no limit), as RabbitMQ's own clients negotiate.
+        // Ours never 0 ("no limit"): the broker would choose, up to 4 GiB,
+        // what the reader must hold of one frame.
         let frame_max = negotiate(
-            uri.query.frame_max.unwrap_or(DEFAULT_FRAME_MAX),
+            (uri.query.frame_max)
+                .filter(|&f| f != 0)
+                .unwrap_or(DEFAULT_FRAME_MAX),
             tune.frame_max,
         )
         .max(4096);

@@ -475,6 +475,14 @@ pub struct ReplicationConfig {
     /// Default: [`MAX_MESSAGE_SIZE`](crate::protocol::framing::MAX_MESSAGE_SIZE) (1 GiB)
     pub max_message_size: usize,
 
+    /// (outbox-relay's patch) When set, the host name is resolved and each
+    /// address tried in turn, each within this time (as libpq's
+    /// `connect_timeout`), the lookup too: an address that drops
+    /// connection attempts does not hide the ones after it.
+    ///
+    /// Default: `None` (one `TcpStream::connect`, as upstream)
+    pub address_timeout: Option<Duration>,
+
     /// `application_name` sent in the startup message, shown in
     /// `pg_stat_activity` and `pg_stat_replication`. A consumer that must
     /// tell its own walsender from other sessions sets a unique value.
@@ -544,6 +552,7 @@ impl Default for ReplicationConfig {
             binary: false,
             options: None,
             max_message_size: crate::protocol::framing::MAX_MESSAGE_SIZE,
+            address_timeout: None,
             application_name: None,
             feedback_observer: None,
             auth_allowed: AuthAllowed::default(),
@@ -749,6 +758,12 @@ impl ReplicationConfig {
     /// ```
     pub fn with_max_message_size(mut self, bytes: usize) -> Self {
         self.max_message_size = bytes.min(crate::protocol::framing::MAX_MESSAGE_SIZE);
+        self
+    }
+
+    /// Set [`address_timeout`](Self::address_timeout).
+    pub fn with_address_timeout(mut self, each: Duration) -> Self {
+        self.address_timeout = Some(each);
         self
     }
 

@@ -463,6 +463,43 @@ fn single_row(rows: Vec<QueryRow>, columns: usize, command: &str) -> Result<Quer
     }
 }
 
+/// (outbox-relay's patch) Each address of `host` in turn, each (and the
+/// lookup) within `each`; the last address's error if none answers.
+async fn connect_each(
+    host: &str,
+    port: u16,
+    each: std::time::Duration,
+) -> std::io::Result<TcpStream> {
+    use std::io::{Error, ErrorKind};
+    let addrs: Vec<std::net::SocketAddr> =
+        tokio::time::timeout(each, tokio::net::lookup_host((host, port)))
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::TimedOut,
+                    format!("resolving {host} timed out after {each:?}"),
+                )
+            })??
+            .collect();
+    let mut last = Error::new(
+        ErrorKind::NotFound,
+        format!("{host} resolves to no address"),
+    );
+    for addr in addrs {
+        match tokio::time::timeout(each, TcpStream::connect(addr)).await {
+            Ok(Ok(tcp)) => return Ok(tcp),
+            Ok(Err(e)) => last = e,
+            Err(_) => {
+                last = Error::new(
+                    ErrorKind::TimedOut,
+                    format!("connecting to {addr} timed out after {each:?}"),
+                );
+            }
+        }
+    }
+    Err(last)
+}
+
 async fn run_worker(worker: &mut WorkerState, cfg: &ReplicationConfig) -> Result<()> {
     #[cfg(unix)]
     if cfg.is_unix_socket() {
@@ -483,7 +520,10 @@ async fn run_worker(worker: &mut WorkerState, cfg: &ReplicationConfig) -> Result
         return worker.run_on_stream(&mut stream).await;
     }
 
-    let tcp = TcpStream::connect((cfg.host.as_str(), cfg.port)).await?;
+    let tcp = match cfg.address_timeout {
+        None => TcpStream::connect((cfg.host.as_str(), cfg.port)).await?,
+        Some(each) => connect_each(&cfg.host, cfg.port, each).await?,
+    };
     tcp.set_nodelay(true)?;
 
     #[cfg(feature = "tls-rustls")]
