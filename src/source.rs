@@ -269,10 +269,12 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(HOST_CONNECT_TIMEOUT);
     }
-    // Room for each host's lookup and two of its addresses (see `dial`).
+    // Room for each host's lookup and two of its addresses (see `dial`);
+    // saturating, whatever connect_timeout the URL says.
     let deadline = CONNECT_TIMEOUT.max(
-        *pg.get_connect_timeout().expect("set") * 3 * pg.get_hosts().len() as u32
-            + Duration::from_secs(5),
+        (pg.get_connect_timeout().expect("set"))
+            .saturating_mul(3 * pg.get_hosts().len() as u32)
+            .saturating_add(Duration::from_secs(5)),
     );
     let connector = tls::postgres_sql_tls(
         &mut pg,
@@ -595,6 +597,7 @@ async fn open_replication(
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = pg.get_dbname().unwrap_or(&user).to_owned();
+    let address_timeout = (pg.get_connect_timeout().copied()).unwrap_or(HOST_CONNECT_TIMEOUT);
     // pgwire-replication reads the client certificate's files itself: a
     // pair that cannot be used right now (replaced one file after the
     // other, read in between) is tried again, not a refusal for good.
@@ -637,11 +640,7 @@ async fn open_replication(
             ReplicationConfig::new(addr.clone(), user, password, database, slot, publication)
                 .with_port(*port)
                 // Each address of the name, as the SQL connection does.
-                .with_address_timeout(
-                    pg.get_connect_timeout()
-                        .copied()
-                        .unwrap_or(HOST_CONNECT_TIMEOUT),
-                )
+                .with_address_timeout(address_timeout)
         }
     };
     let rc = base
@@ -694,7 +693,13 @@ async fn open_replication(
         }
         Ok::<_, pgwire_replication::PgWireError>(Ok(client))
     };
-    match tokio::time::timeout(CONNECT_TIMEOUT, open).await {
+    // Room for the lookup and two addresses, then the startup.
+    let deadline = CONNECT_TIMEOUT.max(
+        address_timeout
+            .saturating_mul(3)
+            .saturating_add(Duration::from_secs(5)),
+    );
+    match tokio::time::timeout(deadline, open).await {
         Ok(Ok(r)) => {
             cfg.url.login_accepted(Login::Replication);
             r

@@ -334,6 +334,29 @@ pub(super) async fn outbox_table(
         }
     }
 
+    // A foreign table as a partition takes its rows to another server: no
+    // WAL here, nothing relayed. Often old rows in other storage, so said,
+    // not refused (an unlogged partition is: see the publication's line).
+    if kind == "p" {
+        let foreign: Vec<String> = client
+            .query_one(
+                "SELECT ARRAY(SELECT t.relid::regclass::text FROM pg_partition_tree($1::text::regclass) t \
+                 JOIN pg_class c ON c.oid = t.relid WHERE c.relkind = 'f' ORDER BY 1)",
+                &[&t.quoted()],
+            )
+            .await?
+            .get(0);
+        if !foreign.is_empty() {
+            warnings.push(Line::warn(
+                what.clone(),
+                format!(
+                    "partition(s) {} are foreign tables: rows inserted into them go to another \
+                     server and are never relayed; keep new outbox rows out of them",
+                    foreign.join(", ")
+                ),
+            ));
+        }
+    }
     let partitioned = if kind == "p" {
         "partitioned (its partitions' rows are relayed as the table's); "
     } else {

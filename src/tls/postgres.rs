@@ -111,7 +111,11 @@ pub(super) async fn certificate_name_for(
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 
-    let mut tcp = tokio::net::TcpStream::connect((addr, port)).await.ok()?;
+    // Each address of the name, as the connection after it (see `dial`):
+    // two of them within the caller's deadline.
+    let mut tcp = crate::dial::connect(addr, port, std::time::Duration::from_secs(4))
+        .await
+        .ok()?;
     // SSLRequest: length 8, code 80877103.
     tcp.write_all(&[0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f])
         .await

@@ -1083,3 +1083,54 @@ async fn the_relays_sessions_ask_the_server_for_keepalives() {
     drop(sql);
     fx.cleanup().await;
 }
+
+/// A foreign table as a partition of the outbox takes its rows to another
+/// server (no WAL here, nothing relayed): `check` warns, naming it, and
+/// still passes (such a partition usually holds old rows elsewhere).
+/// Needs file_fdw (Debian's PostgreSQL has it; a server without it skips).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_partition_is_warned_about() {
+    // No unique index: PostgreSQL refuses foreign partitions under one.
+    let ddl = partitioned_ddl(
+        "aggregate_type",
+        "CREATE TABLE {table}_orders PARTITION OF {table} FOR VALUES IN ('order');",
+    )
+    .replace(",\n  PRIMARY KEY (aggregate_type, id)", "");
+    assert!(!ddl.contains("PRIMARY KEY"), "{ddl}");
+    let fx = Fixture::with_ddl("chk_foreign", "", &ddl).await;
+    let pg = pg_connect().await;
+    if pg
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS file_fdw")
+        .await
+        .is_err()
+    {
+        println!("skipped: no file_fdw on this server");
+        fx.cleanup().await;
+        return;
+    }
+    let server = fx.scoped("files");
+    pg.batch_execute(&format!(
+        "CREATE SERVER {server} FOREIGN DATA WRAPPER file_fdw; \
+         CREATE FOREIGN TABLE {0}_archive PARTITION OF {0} FOR VALUES IN ('archive') \
+           SERVER {server} OPTIONS (filename '/dev/null', format 'csv')",
+        fx.table
+    ))
+    .await
+    .unwrap();
+    let c = check(&fx, &[]);
+    let archive = format!("{}_archive", fx.table);
+    assert!(
+        c.lines().iter().any(|l| l.starts_with("warn outbox table")
+            && l.contains(&archive)
+            && l.contains("never relayed")),
+        "{c}"
+    );
+    assert_eq!(c.code, Some(0), "{c}");
+    pg.batch_execute(&format!(
+        "DROP FOREIGN TABLE {}_archive; DROP SERVER {server}",
+        fx.table
+    ))
+    .await
+    .unwrap();
+    fx.cleanup().await;
+}
