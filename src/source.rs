@@ -237,6 +237,17 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Deadline for reaching each host of a list.
 const HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The deadline of a whole connect to `hosts` hosts, each address with
+/// `each` (see `dial`): room for each host's lookup and two of its
+/// addresses, then the startup; saturating, whatever connect_timeout the
+/// URL says.
+fn outer_deadline(each: Duration, hosts: usize) -> Duration {
+    CONNECT_TIMEOUT.max(
+        each.saturating_mul(3 * hosts as u32)
+            .saturating_add(Duration::from_secs(5)),
+    )
+}
+
 /// Opens a SQL connection; its driver task runs until the client is dropped.
 pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client, SourceError> {
     // The password as the password file holds it now (see `Secret`).
@@ -269,12 +280,9 @@ pub async fn connect_sql(cfg: &PostgresConfig) -> Result<tokio_postgres::Client,
     if pg.get_connect_timeout().is_none() {
         pg.connect_timeout(HOST_CONNECT_TIMEOUT);
     }
-    // Room for each host's lookup and two of its addresses (see `dial`);
-    // saturating, whatever connect_timeout the URL says.
-    let deadline = CONNECT_TIMEOUT.max(
-        (pg.get_connect_timeout().expect("set"))
-            .saturating_mul(3 * pg.get_hosts().len() as u32)
-            .saturating_add(Duration::from_secs(5)),
+    let deadline = outer_deadline(
+        *pg.get_connect_timeout().expect("set"),
+        pg.get_hosts().len(),
     );
     let connector = tls::postgres_sql_tls(
         &mut pg,
@@ -693,12 +701,7 @@ async fn open_replication(
         }
         Ok::<_, pgwire_replication::PgWireError>(Ok(client))
     };
-    // Room for the lookup and two addresses, then the startup.
-    let deadline = CONNECT_TIMEOUT.max(
-        address_timeout
-            .saturating_mul(3)
-            .saturating_add(Duration::from_secs(5)),
-    );
+    let deadline = outer_deadline(address_timeout, 1);
     match tokio::time::timeout(deadline, open).await {
         Ok(Ok(r)) => {
             cfg.url.login_accepted(Login::Replication);

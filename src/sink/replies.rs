@@ -104,16 +104,20 @@ fn refused_text(text: &str) -> &str {
 /// "ACCESS_REFUSED - write access to exchange 'X' in vhost 'V' refused for
 /// user 'U'": X.
 fn refused_exchange(text: &str) -> Option<String> {
-    let rest = refused_text(text).strip_prefix("access to exchange '")?;
-    let end = rest.rfind("' in vhost")?;
-    Some(rest[..end].to_owned())
+    exchange_after(text, "access to exchange '")
 }
 
 /// "ACCESS_REFUSED - cannot publish to internal exchange 'X' in vhost
 /// 'V'": X (an exchange only other exchanges may send to; a passive
 /// declare does not tell).
 fn internal_exchange(text: &str) -> Option<String> {
-    let rest = refused_text(text).strip_prefix("cannot publish to internal exchange '")?;
+    exchange_after(text, "cannot publish to internal exchange '")
+}
+
+/// The exchange a 403's text quotes right after `opening`, up to
+/// "' in vhost" (the last one: the name may hold the words).
+fn exchange_after(text: &str, opening: &str) -> Option<String> {
+    let rest = refused_text(text).strip_prefix(opening)?;
     let end = rest.rfind("' in vhost")?;
     Some(rest[..end].to_owned())
 }

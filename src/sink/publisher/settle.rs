@@ -102,11 +102,12 @@ impl Publisher<'_> {
         log: impl FnOnce(&str, u32, Duration),
     ) -> Result<Option<(Duration, InFlight)>, PublishError> {
         f.attempts += 1;
-        if f.attempts >= limit && f.is_dead_letter() && why == RetryReason::nacked {
-            if f.attempts == limit {
-                warn!(event_id = %Shown(&id), channel = f.lane, attempts = f.attempts, exchange = %Shown(&f.destination().0), "dead letter nacked again and again (its queue full?); it is published again until the broker takes it, and the confirmed position waits for it");
-            }
-        } else if f.attempts >= limit {
+        // A nacked dead letter waits for its queue, however long.
+        let waits = f.is_dead_letter() && why == RetryReason::nacked;
+        if waits && f.attempts == limit {
+            warn!(event_id = %Shown(&id), channel = f.lane, attempts = f.attempts, exchange = %Shown(&f.destination().0), "dead letter nacked again and again (its queue full?); it is published again until the broker takes it, and the confirmed position waits for it");
+        }
+        if f.attempts >= limit && !waits {
             let reason = reason(f.attempts);
             if f.is_dead_letter() {
                 let exchange = f.destination().0;
